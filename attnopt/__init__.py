@@ -1,0 +1,35 @@
+"""attnopt: find hand-written attention in PyTorch models and run it through exact, faster kernels.
+
+    >>> import attnopt
+    >>> opt = attnopt.optimize(model)            # same signature, same outputs and gradients
+    >>> print(attnopt.explain(opt))              # every site found, what was done, and why
+
+Importing attnopt touches no device and compiles nothing.
+"""
+
+from __future__ import annotations
+
+from .api import explain, optimize, rewrite
+from .backend import attnopt_backend, last_report
+from .candidates import candidate_names, get_candidate, register_candidate
+from .config import OptimizeConfig
+from .report import Report
+from .site import AttentionSpec, SiteRecord
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionSpec",
+    "OptimizeConfig",
+    "Report",
+    "SiteRecord",
+    "__version__",
+    "attnopt_backend",
+    "candidate_names",
+    "explain",
+    "get_candidate",
+    "last_report",
+    "optimize",
+    "register_candidate",
+    "rewrite",
+]

@@ -1,0 +1,90 @@
+"""attnopt's dynamo backend: ``torch.compile(model, backend="attnopt")``.
+
+Dynamo captures the graph (graph breaks, Python control flow, guards and recompiles for new
+shapes are its job) and calls :func:`attnopt_backend` once per captured graph with the
+graph's example inputs. The backend runs :func:`attnopt.pipeline.run_pipeline` and returns
+the rewritten graph's ``forward`` (eager, no C++ compiler needed) or, with
+``compile=True``, Inductor's compiled version of it. Any failure leaves the graph as
+captured and warns with the cause: attnopt never breaks a model.
+
+Registered as the ``attnopt`` entry point of the ``torch_dynamo_backends`` group.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from .config import OptimizeConfig
+from .pipeline import run_pipeline
+from .report import Report
+from .runtime import AttentionSite
+
+log = logging.getLogger("attnopt")
+
+#: Report of the graphs compiled through ``backend="attnopt"`` by name (no ``optimize`` wrapper).
+_DEFAULT_REPORT = Report()
+
+
+def last_report() -> Report:
+    """Sites seen by ``torch.compile(..., backend="attnopt")`` calls made without ``optimize``."""
+    return _DEFAULT_REPORT
+
+
+def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                    config: OptimizeConfig | None = None, report: Report | None = None,
+                    **options: Any) -> Callable[..., Any]:
+    """Dynamo backend: rewrite the attention in ``gm`` and return a callable that runs it."""
+    config = config or OptimizeConfig(**options)
+    report = _DEFAULT_REPORT if report is None else report
+    graph_id = report.graphs
+    report.graphs += 1
+    try:
+        new_gm, records = run_pipeline(gm, example_inputs, config, graph_id)
+    except Exception as e:  # noqa: BLE001 - never break the user's model; report why instead
+        msg = f"graph {graph_id}: {type(e).__name__}: {e}"
+        report.failures.append(msg)
+        warnings.warn(f"attnopt: could not rewrite captured {msg}; it runs as written", stacklevel=2)
+        log.warning("capture failed for %s", msg, exc_info=True)
+        return _finish(gm, example_inputs, config)
+    report.records.extend(records)
+    return _finish(new_gm, example_inputs, config, fallback=gm)
+
+
+def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeConfig,
+            fallback: fx.GraphModule | None = None) -> Callable[..., Any]:
+    if not config.compile:
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled = compile_fx(gm, list(example_inputs))
+    guards = _boundary_guards(gm)
+    if not guards or fallback is None:
+        return compiled
+    original = fallback.forward
+
+    def run(*args: Any) -> Any:
+        # Inside compiled code the causal proof is baked in; check its buffers here.
+        if all(g.holds(args[i]) for i, g in guards):
+            return compiled(*args)
+        return original(*args)
+
+    return run
+
+
+def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        mod = gm.get_submodule(str(node.target))
+        if isinstance(mod, AttentionSite) and mod.guards:
+            for g, arg in zip(mod.guards, node.args[4:]):
+                if arg in placeholders:
+                    out.append((placeholders[arg], g))
+    return out

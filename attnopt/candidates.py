@@ -1,0 +1,122 @@
+"""Candidate implementations of a proven attention site, behind one interface.
+
+Every candidate is called like ``torch.nn.functional.scaled_dot_product_attention`` on 4-D
+tensors (``q: (B, H, Tq, D)``, ``k: (B, Hkv, Tk, D)``, ``v: (B, Hkv, Tk, Dv)``) with the
+scale always explicit, and says up front whether it can serve a site::
+
+    >>> cand = get_candidate("sdpa")
+    >>> cand.supports(spec)       # None, or the reason it cannot
+    >>> out = cand(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=0.125)
+
+Registered now: ``sdpa`` (PyTorch's dispatcher picks the backend) and ``math`` (the plain
+reference computation, used to check the others and as the runtime fallback). The
+selector of a later release adds backend-restricted SDPA, the tiled kernel and
+FlexAttention here, and times them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .site import AttentionSpec
+
+
+class Candidate(Protocol):
+    name: str
+
+    def supports(self, spec: AttentionSpec) -> str | None: ...
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
+                 enable_gqa: bool) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class FunctionCandidate:
+    """A candidate made of a function with SDPA's signature and a support check."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    check: Callable[[AttentionSpec], str | None]
+    description: str = ""
+
+    def supports(self, spec: AttentionSpec) -> str | None:
+        return self.check(spec)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return self.fn(q, k, v, **kwargs)
+
+
+_REGISTRY: dict[str, Candidate] = {}
+
+
+def register_candidate(candidate: Candidate) -> Candidate:
+    """Add ``candidate`` to the registry under ``candidate.name`` (replacing any of that name)."""
+    _REGISTRY[candidate.name] = candidate
+    return candidate
+
+
+def get_candidate(name: str) -> Candidate:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown candidate {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def candidate_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _sdpa_supports(spec: AttentionSpec) -> str | None:
+    if spec.gqa and not _HAS_GQA:
+        return "enable_gqa needs torch >= 2.5"
+    return None
+
+
+_HAS_GQA = torch.__version__ >= "2.5"  # TorchVersion compares as a version
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None,
+          dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool) -> torch.Tensor:
+    if enable_gqa:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        is_causal: bool = False, scale: float | None = None,
+                        enable_gqa: bool = False) -> torch.Tensor:
+    """The plain computation SDPA documents, written out: the ``math`` candidate."""
+    tq, tk = q.size(-2), k.size(-2)
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    if enable_gqa and k.size(-3) != q.size(-3):
+        rep = q.size(-3) // k.size(-3)
+        k = k.repeat_interleave(rep, dim=-3)
+        v = v.repeat_interleave(rep, dim=-3)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if is_causal:
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    return probs @ v
+
+
+register_candidate(FunctionCandidate("sdpa", _sdpa, _sdpa_supports,
+                                     "torch.nn.functional.scaled_dot_product_attention"))
+register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
+                                     "softmax(scale * q @ k^T + mask) @ v written out"))

@@ -1,0 +1,439 @@
+"""The small vocabulary every spelling is read into before matching.
+
+Real code writes the same operation many ways: ``q @ k``, ``torch.matmul(q, k)``,
+``q.matmul(k)``, ``torch.bmm(q, k)``, ``torch.einsum("bhqd,bhkd->bhqk", q, k)``, and the
+ATen forms that ``torch.export`` records. :func:`read` turns one FX node into one
+:class:`Op` of a fixed ``kind`` with its operands in a fixed order, so the matcher
+asks "is this a matmul?" once instead of once per spelling.
+
+Example::
+
+    >>> op = read(node)           # node: call_function operator.matmul(q, kt)
+    >>> op.kind, op.args
+    ('matmul', (q, kt, False))    # (left, right, right_is_transposed)
+
+Kinds and canonical ``args``:
+
+========== =============================================================
+matmul     ``(a, b, b_transposed)``: ``a @ b`` or, when transposed, ``a @ b.mT``
+transpose  ``(x, d0, d1)`` with dims normalised to non-negative
+permute    ``(x, dims)``
+scale      ``(x, factor, "mul" | "div")``: a product or quotient with a scalar
+add        ``(a, b)``
+masked_fill ``(x, cond, value)``
+where      ``(cond, a, b)``
+softmax    ``(x, dim, dtype)`` with ``dim`` normalised to non-negative
+cast       ``(x,)``: a dtype conversion; the target dtype is read from the node's meta
+identity   ``(x,)``: ``contiguous``/``clone``: same values
+dropout    ``(x, p, mode)`` with mode ``"on"``, ``"off"`` or ``"module"`` (nn.Dropout's flag)
+eq / ne    ``(a, b)``
+not        ``(x,)``
+tril/triu  ``(x, diagonal)``
+getitem    ``(x, index)``
+view       ``(x,)``: view/reshape/unsqueeze/expand: a reshaping whose result shape is in meta
+factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like
+========== =============================================================
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node read into the canonical vocabulary."""
+
+    kind: str
+    args: tuple[Any, ...]
+    spelling: str
+
+
+# ----------------------------------------------------------------------------- meta helpers
+
+
+def meta_value(node: Any) -> Any:
+    """The example value recorded for ``node`` by dynamo, export or shape propagation."""
+    if not isinstance(node, fx.Node):
+        return node
+    for key in ("val", "example_value"):
+        if key in node.meta:
+            return node.meta[key]
+    tm = node.meta.get("tensor_meta")
+    if tm is not None:
+        return tm
+    return None
+
+
+def shape_of(node: Any) -> tuple[Any, ...] | None:
+    """Shape of the tensor a node produces, with symbolic sizes kept, or None if unknown."""
+    v = meta_value(node)
+    shape = getattr(v, "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def dtype_of(node: Any) -> torch.dtype | None:
+    v = meta_value(node)
+    return getattr(v, "dtype", None)
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, fx.Node) and shape_of(node) is not None
+
+
+def is_scalar(x: Any) -> bool:
+    """A Python number, a symbolic number, or a node that produces one (not a tensor)."""
+    if isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool):
+        return True
+    if isinstance(x, fx.Node):
+        v = meta_value(x)
+        return isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool)
+    return False
+
+
+def is_zero_dim_tensor(x: Any) -> bool:
+    s = shape_of(x) if isinstance(x, fx.Node) else None
+    return s is not None and len(s) == 0
+
+
+def _norm_dim(dim: Any, ndim: int | None) -> Any:
+    if isinstance(dim, int) and ndim is not None and dim < 0:
+        return dim + ndim
+    return dim
+
+
+def _ndim(node: Any) -> int | None:
+    s = shape_of(node)
+    return len(s) if s is not None else None
+
+
+# ----------------------------------------------------------------------------- argument access
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _self_and_rest(node: fx.Node) -> tuple[Any, tuple[Any, ...]]:
+    return node.args[0], tuple(node.args[1:])
+
+
+# ----------------------------------------------------------------------------- readers
+
+Reader = Callable[[fx.Node, Any], "Op | None"]
+
+
+def _matmul(node: fx.Node, _: Any) -> Op:
+    return Op("matmul", (node.args[0], node.args[1], False), _spell(node))
+
+
+_EINSUM_TERM = re.compile(r"^(\.\.\.)?([a-zA-Z]*)$")
+
+
+def parse_einsum_product(equation: str) -> tuple[str, ...] | None:
+    """Classify a two-operand einsum as a batched matmul.
+
+    Returns ``("nt",)`` for ``a @ b.mT`` (``...id,...jd->...ij``), ``("nn",)`` for ``a @ b``
+    (``...ij,...jd->...id``), or None. Batch letters must appear in the same order in all
+    three terms; ``...`` counts as a batch prefix.
+    """
+    eq = equation.replace(" ", "")
+    if "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    parts = lhs.split(",")
+    if len(parts) != 2:
+        return None
+    terms = [parts[0], parts[1], out]
+    parsed = []
+    for t in terms:
+        m = _EINSUM_TERM.match(t)
+        if not m:
+            return None
+        parsed.append((m.group(1) or "", m.group(2)))
+    if len({p[0] for p in parsed}) != 1:
+        return None
+    (_, a), (_, b), (_, o) = parsed
+    if min(len(a), len(b), len(o)) < 2 or not (len(a) == len(b) == len(o)):
+        return None
+    if len(set(a)) != len(a) or len(set(b)) != len(b) or len(set(o)) != len(o):
+        return None
+    batch = a[:-2]
+    if b[:-2] != batch or o[:-2] != batch:
+        return None
+    i, x = a[-2], a[-1]
+    if len({i, x} | set(batch)) != len(batch) + 2:
+        return None
+    if b[-1] == x and o[-2:] == i + b[-2] and b[-2] not in a and b[-2] not in batch:
+        return ("nt",)
+    if b[-2] == x and o[-2:] == i + b[-1] and b[-1] not in a and b[-1] not in batch:
+        return ("nn",)
+    return None
+
+
+def _einsum(node: fx.Node, _: Any) -> Op | None:
+    eq = node.args[0]
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(eq, str) or len(operands) != 2:
+        return None
+    form = parse_einsum_product(eq)
+    if form is None:
+        return None
+    return Op("matmul", (operands[0], operands[1], form[0] == "nt"), f'einsum("{eq}")')
+
+
+def _transpose(node: fx.Node, _: Any) -> Op:
+    x = node.args[0]
+    nd = _ndim(x)
+    d0 = _norm_dim(_arg(node, 1, "dim0"), nd)
+    d1 = _norm_dim(_arg(node, 2, "dim1"), nd)
+    return Op("transpose", (x, min(d0, d1), max(d0, d1)) if isinstance(d0, int) and isinstance(d1, int)
+              else (x, d0, d1), _spell(node))
+
+
+def _permute(node: fx.Node, _: Any) -> Op:
+    x = node.args[0]
+    dims = node.args[1:] if len(node.args) > 2 or not isinstance(_arg(node, 1, "dims"), (list, tuple)) \
+        else tuple(node.args[1])
+    if len(node.args) == 1:
+        dims = tuple(node.kwargs.get("dims", ()))
+    nd = _ndim(x)
+    dims = tuple(_norm_dim(d, nd) for d in dims)
+    ident = tuple(range(len(dims)))
+    diff = [i for i, d in enumerate(dims) if d != i]
+    if len(diff) == 2 and dims[diff[0]] == diff[1] and dims[diff[1]] == diff[0] and sorted(dims) == list(ident):
+        return Op("transpose", (x, diff[0], diff[1]), _spell(node))
+    return Op("permute", (x, dims), _spell(node))
+
+
+def _scale_or_binary(kind: str) -> Reader:
+    """mul/div with a scalar become ``scale``; anything else stays a binary op of ``kind``."""
+
+    def read_(node: fx.Node, _: Any) -> Op | None:
+        a, b = node.args[0], _arg(node, 1, "other")
+        if kind == "div" and node.kwargs.get("rounding_mode") is not None:
+            return None
+        if kind in ("mul", "div"):
+            if is_scalar(b) or is_zero_dim_tensor(b):
+                return Op("scale", (a, b, kind), _spell(node))
+            if kind == "mul" and (is_scalar(a) or is_zero_dim_tensor(a)):
+                return Op("scale", (b, a, "mul"), _spell(node))
+            return Op(kind, (a, b), _spell(node))
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha != 1:
+            return None
+        return Op(kind, (a, b), _spell(node))
+
+    return read_
+
+
+def _masked_fill(node: fx.Node, _: Any) -> Op:
+    return Op("masked_fill", (node.args[0], _arg(node, 1, "mask"), _arg(node, 2, "value")), _spell(node))
+
+
+def _where(node: fx.Node, _: Any) -> Op | None:
+    if len(node.args) + len(node.kwargs) != 3:
+        return None
+    return Op("where", (node.args[0], _arg(node, 1, "input"), _arg(node, 2, "other")), _spell(node))
+
+
+def _softmax(node: fx.Node, _: Any) -> Op:
+    x = node.args[0]
+    dim = _arg(node, 1, "dim")
+    if node.op == "call_function" and node.target is F.softmax:
+        dtype = _arg(node, 3, "dtype")
+    else:
+        dtype = _arg(node, 2, "dtype")
+    return Op("softmax", (x, _norm_dim(dim, _ndim(x)), dtype), _spell(node))
+
+
+def _aten_softmax(node: fx.Node, _: Any) -> Op:
+    x = node.args[0]
+    return Op("softmax", (x, _norm_dim(node.args[1], _ndim(x)), None), _spell(node))
+
+
+def _softmax_module(node: fx.Node, mod: Any) -> Op:
+    x = node.args[0]
+    return Op("softmax", (x, _norm_dim(mod.dim, _ndim(x)), None), f"nn.Softmax(dim={mod.dim})")
+
+
+def _cast(node: fx.Node, _: Any) -> Op | None:
+    # .to(...) is a cast only when it can change nothing but the dtype.
+    if dtype_of(node) is None:
+        return None
+    if node.target == "to" or node.target is aten._to_copy.default:
+        src = shape_of(node.args[0])
+        if src is None or tuple(src) != tuple(shape_of(node) or ()):
+            return None
+        src_dev = getattr(meta_value(node.args[0]), "device", None)
+        dst_dev = getattr(meta_value(node), "device", None)
+        if src_dev is not None and dst_dev is not None and src_dev != dst_dev:
+            return None
+    return Op("cast", (node.args[0],), _spell(node))
+
+
+def _identity(node: fx.Node, _: Any) -> Op | None:
+    if node.target == "contiguous" and (len(node.args) > 1 or node.kwargs):
+        return None
+    return Op("identity", (node.args[0],), _spell(node))
+
+
+def _dropout_fn(node: fx.Node, _: Any) -> Op | None:
+    x = node.args[0]
+    p = _arg(node, 1, "p", 0.5)
+    training = _arg(node, 2, "training", True) if node.target is F.dropout else _arg(node, 2, "train", True)
+    inplace = _arg(node, 3, "inplace", False) if node.target is F.dropout else False
+    if not isinstance(training, bool) or not isinstance(p, (int, float)) or inplace:
+        return None
+    return Op("dropout", (x, float(p), "on" if training and p > 0 else "off"), _spell(node))
+
+
+def _dropout_module(node: fx.Node, mod: Any) -> Op | None:
+    if getattr(mod, "inplace", False):
+        return None
+    return Op("dropout", (node.args[0], float(mod.p), "module" if mod.p > 0 else "off"), f"nn.Dropout(p={mod.p})")
+
+
+def _binary(kind: str) -> Reader:
+    def read_(node: fx.Node, _: Any) -> Op:
+        return Op(kind, (node.args[0], _arg(node, 1, "other")), _spell(node))
+
+    return read_
+
+
+def _not(node: fx.Node, _: Any) -> Op:
+    return Op("not", (node.args[0],), _spell(node))
+
+
+def _tri(kind: str) -> Reader:
+    def read_(node: fx.Node, _: Any) -> Op:
+        return Op(kind, (node.args[0], _arg(node, 1, "diagonal", 0)), _spell(node))
+
+    return read_
+
+
+def _getitem(node: fx.Node, _: Any) -> Op:
+    return Op("getitem", (node.args[0], node.args[1]), _spell(node))
+
+
+def _view(node: fx.Node, _: Any) -> Op:
+    return Op("view", (node.args[0],), _spell(node))
+
+
+def _factory(fill_index: int | None, fill: Any = None) -> Reader:
+    def read_(node: fx.Node, _: Any) -> Op | None:
+        value = fill if fill_index is None else _arg(node, fill_index, "fill_value")
+        return Op("factory", (value, dtype_of(node)), _spell(node))
+
+    return read_
+
+
+def _spell(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_method":
+        return f".{t}()"
+    names = {operator.matmul: "@", operator.mul: "*", operator.truediv: "/", operator.add: "+",
+             operator.imul: "*=", operator.itruediv: "/=", operator.iadd: "+="}
+    if t in names:
+        return names[t]
+    return getattr(t, "__name__", str(t))
+
+
+# (opcode, target) -> reader. Methods are keyed by name, functions by object.
+_FUNCTIONS: dict[Any, Reader] = {
+    operator.matmul: _matmul, torch.matmul: _matmul, torch.bmm: _matmul,
+    aten.matmul.default: _matmul, aten.bmm.default: _matmul,
+    torch.einsum: _einsum, aten.einsum.default: _einsum,
+    torch.transpose: _transpose, torch.swapaxes: _transpose, aten.transpose.int: _transpose,
+    torch.permute: _permute, aten.permute.default: _permute,
+    operator.mul: _scale_or_binary("mul"), torch.mul: _scale_or_binary("mul"),
+    operator.imul: _scale_or_binary("mul"),
+    aten.mul.Tensor: _scale_or_binary("mul"), aten.mul.Scalar: _scale_or_binary("mul"),
+    operator.truediv: _scale_or_binary("div"), torch.div: _scale_or_binary("div"),
+    torch.true_divide: _scale_or_binary("div"), operator.itruediv: _scale_or_binary("div"),
+    aten.div.Tensor: _scale_or_binary("div"), aten.div.Scalar: _scale_or_binary("div"),
+    operator.add: _scale_or_binary("add"), torch.add: _scale_or_binary("add"),
+    operator.iadd: _scale_or_binary("add"),
+    aten.add.Tensor: _scale_or_binary("add"),
+    torch.masked_fill: _masked_fill, aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    torch.where: _where, aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
+    F.softmax: _softmax, torch.softmax: _softmax, aten.softmax.int: _softmax, aten._softmax.default: _aten_softmax,
+    aten._to_copy.default: _cast,
+    F.dropout: _dropout_fn, torch.dropout: _dropout_fn, aten.dropout.default: _dropout_fn,
+    operator.eq: _binary("eq"), torch.eq: _binary("eq"), aten.eq.Scalar: _binary("eq"), aten.eq.Tensor: _binary("eq"),
+    operator.ne: _binary("ne"), torch.ne: _binary("ne"), aten.ne.Scalar: _binary("ne"),
+    operator.invert: _not, torch.logical_not: _not, torch.bitwise_not: _not,
+    aten.logical_not.default: _not, aten.bitwise_not.default: _not,
+    torch.tril: _tri("tril"), torch.triu: _tri("triu"),
+    aten.tril.default: _tri("tril"), aten.triu.default: _tri("triu"),
+    operator.getitem: _getitem,
+    torch.reshape: _view, torch.unsqueeze: _view, aten.view.default: _view, aten.reshape.default: _view,
+    aten.unsqueeze.default: _view, aten.expand.default: _view, aten._unsafe_view.default: _view,
+    torch.ones: _factory(None, 1), torch.ones_like: _factory(None, 1), aten.ones.default: _factory(None, 1),
+    torch.full: _factory(1), aten.full.default: _factory(1),
+    torch.zeros: _factory(None, 0), aten.zeros.default: _factory(None, 0),
+}
+
+_METHODS: dict[str, Reader] = {
+    "matmul": _matmul, "bmm": _matmul, "__matmul__": _matmul,
+    "transpose": _transpose, "swapaxes": _transpose, "permute": _permute,
+    "mul": _scale_or_binary("mul"), "__mul__": _scale_or_binary("mul"),
+    "div": _scale_or_binary("div"), "true_divide": _scale_or_binary("div"), "__truediv__": _scale_or_binary("div"),
+    "add": _scale_or_binary("add"), "__add__": _scale_or_binary("add"),
+    "masked_fill": _masked_fill, "where": None,  # type: ignore[dict-item]  # x.where(cond, y) reorders args
+    "softmax": _softmax,
+    "to": _cast, "float": _cast, "half": _cast, "bfloat16": _cast, "double": _cast, "type": _cast, "type_as": _cast,
+    "contiguous": _identity, "clone": _identity,
+    "eq": _binary("eq"), "__eq__": _binary("eq"), "ne": _binary("ne"),
+    "logical_not": _not, "bitwise_not": _not, "__invert__": _not,
+    "tril": _tri("tril"), "triu": _tri("triu"),
+    "view": _view, "reshape": _view, "unsqueeze": _view, "expand": _view,
+    "new_ones": _factory(None, 1), "new_full": _factory(1), "new_zeros": _factory(None, 0),
+}
+_METHODS = {k: v for k, v in _METHODS.items() if v is not None}
+
+_MODULES: dict[type, Reader] = {
+    torch.nn.Softmax: _softmax_module,
+    torch.nn.Dropout: _dropout_module,
+}
+
+
+def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
+    """Read one FX node into the canonical vocabulary, or None if it is outside it."""
+    if not isinstance(node, fx.Node):
+        return None
+    reader: Reader | None = None
+    context: Any = None
+    if node.op == "call_function":
+        try:
+            reader = _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            reader = None
+    elif node.op == "call_method":
+        reader = _METHODS.get(node.target)  # type: ignore[arg-type]
+    elif node.op == "call_module" and root is not None:
+        try:
+            context = root.get_submodule(node.target)  # type: ignore[arg-type]
+        except AttributeError:
+            return None
+        reader = _MODULES.get(type(context))
+    if reader is None:
+        return None
+    try:
+        return reader(node, context)
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,44 @@
+"""Options for ``optimize``/``rewrite``, validated once in a frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .candidates import candidate_names
+
+VARIANTS = ("auto", "sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class OptimizeConfig:
+    """How attnopt treats the sites it proves.
+
+    Attributes:
+        variant: ``"auto"`` (the best legal candidate; for now SDPA wherever legal),
+            ``"sdpa"`` (force SDPA), ``"eager"`` (rewrite nothing: an A/B baseline), or the
+            name of any registered candidate (``attnopt.candidates.candidate_names()``).
+        compile: hand the rewritten graph to Inductor instead of running it eagerly.
+        verify: run original and rewritten graph on the first inputs and drop any rewrite
+            whose outputs differ beyond the dtype's tolerance.
+    """
+
+    variant: str = "auto"
+    compile: bool = False
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        accepted = list(VARIANTS) + [c for c in candidate_names() if c not in VARIANTS]
+        if not isinstance(self.variant, str) or self.variant not in accepted:
+            raise ValueError(f"unknown variant {self.variant!r}; accepted values: {', '.join(map(repr, accepted))}")
+        for name in ("compile", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def candidate(self) -> str | None:
+        """Candidate every provable site gets, or None to rewrite nothing."""
+        if self.variant == "eager":
+            return None
+        if self.variant == "auto":
+            return "sdpa"
+        return self.variant

@@ -1,0 +1,461 @@
+"""Find attention sites: prove that a softmax computes ``softmax(scale * q @ k^T + mask) @ v``.
+
+Matches, for every softmax node, the chain around it in the canonical vocabulary of
+:mod:`attnopt.canon`::
+
+    product = q @ kT                          (matmul / bmm / einsum, K pre-transposed or not)
+    scores  = product (* or / scalar)*        (scale after the product; a scale on q stays on q)
+                      (masked_fill | where | + mask)*   (masks, proven by passes/masks.py)
+                      (cast | contiguous)*
+    probs   = softmax(scores, dim=last)       (any spelling, with or without dtype=)
+              (cast | dropout | contiguous)*
+    out     = probs @ v
+
+and emits a :class:`Match` (the nodes to replace and the proven :class:`AttentionSpec`) or a
+near miss: a :class:`SiteRecord` whose ``reason`` names the first condition that failed.
+Conditions proven from the shapes in ``node.meta``, never from variable names:
+
+* the softmax is over the last axis of the scores, which is the key axis of the product;
+* every intermediate (scores, probabilities) has exactly one user, so nothing else sees them;
+* the scale is a scalar; masks have the scores' dtype and do not broadcast the scores up;
+* q, k, v have the same rank (2-4), and equal batch/head dims, or heads that ``repeat_kv``
+  (unsqueeze + expand + reshape) provably shares in groups, which ``enable_gqa`` reproduces;
+* the site's output has the shape SDPA returns.
+
+Example: nanoGPT's block yields one Match with ``spec.describe() == "scale=0.125, causal
+(top-left), dropout p=0.1"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..canon import Op, dtype_of, is_scalar, is_zero_dim_tensor, meta_value, read, shape_of
+from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, SiteRecord
+from .masks import Add, Fill, MaskPlan, _same, plan_mask
+
+
+@dataclass
+class Match:
+    """A proven site: what to feed the replacement and which nodes it replaces."""
+
+    record: SiteRecord
+    softmax: fx.Node
+    output: fx.Node  # the P @ V node whose users receive the replacement
+    q: fx.Node
+    k: fx.Node | None  # None: the key is ``k_t`` transposed back (a view)
+    k_t: fx.Node | None
+    v: fx.Node
+    spec: AttentionSpec
+    mask: MaskPlan
+    scale_tensors: list[tuple[Any, str]] = field(default_factory=list)  # folded into q
+    dropout_module: str | None = None
+    internal: list[fx.Node] = field(default_factory=list)
+
+
+class NearMiss(Exception):
+    """A softmax that is not (provably) attention; ``str(e)`` says which condition failed."""
+
+    def __init__(self, reason: str, decision: str = LEFT_ALONE):
+        super().__init__(reason)
+        self.decision = decision
+
+
+def _where(node: fx.Node) -> tuple[str, str]:
+    """(module path, file:line) of the user code that produced ``node``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    if stack:
+        path = list(stack.values())[-1][0]
+        path = path.replace("L['self'].", "").replace("L['self']", "").replace("L['", "").replace("']", "")
+        path = path.replace("_modules.", "").replace("._modules", "")
+    trace = node.meta.get("stack_trace") or ""
+    source = ""
+    for line in trace.strip().splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            try:
+                fname = line.split('"')[1]
+                lineno = line.split("line ")[1].split(",")[0]
+                source = f"{fname.rsplit('/', 1)[-1]}:{lineno}"
+            except IndexError:
+                pass
+    return path, source
+
+
+def _user_desc(n: fx.Node) -> str:
+    path, source = _where(n)
+    where = f" at {source}" if source else ""
+    if n.op == "output":
+        return "returned from the graph (to the caller or across a graph break)"
+    return f"also used by `{n.name}`{where}"
+
+
+def _only_user(node: fx.Node, what: str) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        others = ", ".join(_user_desc(u) for u in users[:3])
+        raise NearMiss(f"the {what} are used elsewhere ({others})")
+    return users[0]
+
+
+def _scale_value(x: Any) -> float | torch.SymFloat | None:
+    if isinstance(x, fx.Node):
+        v = meta_value(x)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        return None
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
+def match_site(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.Tensor],
+               index: int) -> Match | SiteRecord:
+    """Try to prove that ``softmax`` is an attention site; return a Match or a near-miss record."""
+    path, source = _where(softmax)
+    record = SiteRecord(name=f"site{index}", module_path=path, source=source)
+    try:
+        return _match(gm, softmax, concrete, record)
+    except NearMiss as e:
+        record.decision = e.decision
+        record.reason = str(e)
+        return record
+
+
+def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.Tensor],
+           record: SiteRecord) -> Match:
+    sm = read(softmax, gm)
+    assert sm is not None and sm.kind == "softmax"
+    record.spelling.append(sm.spelling)
+    scores_in, dim, _ = sm.args
+    s_shape = shape_of(scores_in)
+    if s_shape is None:
+        raise NearMiss("no shape information for the scores (capture with example inputs)", NOT_ATTENTION)
+    nd = len(s_shape)
+    if dim != nd - 1:
+        raise NearMiss(f"softmax is over dim {dim}, not the last (key) axis of the {nd}-D scores",
+                       NOT_ATTENTION)
+
+    # ---- forward from the softmax: probabilities -> P @ V
+    internal: list[fx.Node] = []
+    cur = softmax
+    dropout: tuple[float, str] = (0.0, "off")
+    dropout_module: str | None = None
+    while True:
+        try:
+            user = _only_user(cur, "attention probabilities")
+        except NearMiss:
+            if not any(read(u, gm) is not None and read(u, gm).kind == "matmul" for u in cur.users):  # type: ignore
+                raise NearMiss("the softmax output does not feed a product with values", NOT_ATTENTION) from None
+            raise
+        op = read(user, gm)
+        if op is None:
+            raise NearMiss(f"the probabilities pass through `{user.name}` ({user.target}) before the product "
+                           "with values", NOT_ATTENTION if cur is softmax else LEFT_ALONE)
+        if op.kind in ("cast", "identity") and op.args[0] is cur:
+            record.spelling.append(op.spelling)
+            internal.append(user)
+            cur = user
+            continue
+        if op.kind == "dropout" and op.args[0] is cur:
+            if dropout[1] != "off":
+                raise NearMiss("two dropouts on the probabilities")
+            dropout = (op.args[1], op.args[2])
+            if op.args[2] == "module":
+                dropout_module = str(user.target)
+            record.spelling.append(op.spelling)
+            internal.append(user)
+            cur = user
+            continue
+        if op.kind == "matmul":
+            a, b, b_t = op.args
+            if a is not cur or b is cur:
+                raise NearMiss("the probabilities are the right operand of the product with values "
+                               "(transposed P·V layout)")
+            if b_t:
+                raise NearMiss("the values are multiplied transposed (einsum over their last axis)")
+            pv = user
+            v = b
+            record.spelling.append(op.spelling)
+            break
+        raise NearMiss(f"the probabilities are changed by {op.spelling} after the softmax "
+                       "(a mask or product after the softmax without renormalising)",
+                       NOT_ATTENTION if op.kind not in ("scale", "mul", "add", "masked_fill", "where")
+                       else LEFT_ALONE)
+
+    # ---- backward from the softmax: scores <- masks <- scale <- product
+    post_spelling, record.spelling = record.spelling, []
+    chain: list[tuple[str, Any]] = []  # collected backwards; reversed into program order below
+    cur = scores_in
+    product: fx.Node | None = None
+    while product is None:
+        op = read(cur, gm)
+        if op is None:
+            raise NearMiss(f"the scores pass through `{cur.name}` ({getattr(cur.target, '__name__', cur.target)}) "
+                           "between the product and the softmax", NOT_ATTENTION)
+        nxt = _step_back(op, cur, chain, record)
+        if nxt is None:
+            if op.kind == "matmul":
+                product = cur
+                break
+            raise NearMiss(f"the scores pass through {op.spelling} between the product and the softmax",
+                           NOT_ATTENTION)
+        internal.append(cur)
+        _only_user(nxt, "attention scores")
+        cur = nxt
+    chain.reverse()
+    internal.append(product)
+    pop = read(product, gm)
+    assert pop is not None
+    record.spelling = [pop.spelling, *reversed(record.spelling), *post_spelling]
+    q, k_t, k_transposed = pop.args
+    # ---- scale, then masks, in program order
+    scale = 1.0
+    scale_tensors: list[tuple[Any, str]] = []
+    masks: list[Any] = []
+    for kind, payload in chain:
+        if kind == "scale":
+            if masks:
+                raise NearMiss("the scale is applied after a mask; only scale-then-mask is rewritten so far")
+            factor, how = payload
+            value = _scale_value(factor)
+            if value is None:
+                if isinstance(factor, fx.Node) and is_zero_dim_tensor(factor):
+                    scale_tensors.append((factor, how))
+                    continue
+                raise NearMiss(f"the scale `{factor}` is not a number known at capture")
+            if how == "div":
+                if value == 0:
+                    raise NearMiss("the scores are divided by zero")
+                scale = scale / value
+            else:
+                scale = scale * value
+        elif kind == "mask":
+            masks.append(payload)
+    if not math.isfinite(scale):
+        raise NearMiss(f"the scale {scale} is not finite")
+
+    # ---- operands: q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv]
+    k = None
+    if k_transposed:
+        k = k_t
+        k_t = None
+    else:
+        kop = read(k_t, gm)
+        kt_shape = shape_of(k_t)
+        if kop is not None and kop.kind == "transpose" and kt_shape is not None \
+                and (kop.args[1], kop.args[2]) == (len(kt_shape) - 2, len(kt_shape) - 1):
+            k = kop.args[0]
+            record.spelling.insert(1, "k" + kop.spelling.replace("()", "(-2, -1)"))
+    key_shape = shape_of(k) if k is not None else _t_shape(shape_of(k_t))
+    q_shape, v_shape, out_shape = shape_of(q), shape_of(v), shape_of(pv)
+    if None in (key_shape, q_shape, v_shape, out_shape):
+        raise NearMiss("missing shape information for q, k or v")
+    if not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):  # type: ignore[arg-type]
+        raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; "  # type: ignore
+                       "equal ranks of 2 to 4 are rewritten")
+    tq, tk = q_shape[-2], key_shape[-2]  # type: ignore[index]
+    if not _same(v_shape[-2], tk):  # type: ignore[index]
+        raise NearMiss("the values' sequence axis does not match the keys'")
+    if not (_same(s_shape[-2], tq) and _same(s_shape[-1], tk)):
+        raise NearMiss("the scores are broadcast to a larger shape than q @ k^T")
+
+    gqa = False
+    k_src, v_src = k, v
+    if not all(_same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
+            not all(_same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2])):  # type: ignore[index]
+        raise NearMiss(f"batch/head dims of q {list(q_shape[:-2])}, k {list(key_shape[:-2])} and "  # type: ignore
+                       f"v {list(v_shape[:-2])} differ (broadcast inside the product)")
+    if len(q_shape) == 4 and k is not None:  # type: ignore[arg-type]
+        k0, v0 = _repeat_kv_source(gm, k), _repeat_kv_source(gm, v)
+        if k0 is not None and v0 is not None and _same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore
+            k_src, v_src, gqa = k0, v0, True
+            record.spelling.append("repeat_kv")
+    if not (_same(out_shape[-2], tq) and _same(out_shape[-1], v_shape[-1])):  # type: ignore[index]
+        raise NearMiss("the output shape is not [..., Tq, Dv]")
+
+    # ---- masks
+    s_dtype = dtype_of(scores_in)
+    plan = plan_mask(masks, tq, tk, s_dtype, gm, concrete)
+    if isinstance(plan, str):
+        raise NearMiss(plan)
+    for t in masks:
+        m = t.mask if isinstance(t, Add) else t.cond
+        ms = shape_of(m)
+        if ms is None or len(ms) > nd:
+            raise NearMiss("the mask has more dims than the scores")
+        if isinstance(t, Add) and dtype_of(m) != dtype_of(product):
+            raise NearMiss(f"the additive mask has dtype {dtype_of(m)} but the scores {dtype_of(product)}")
+
+    q_dtype, k_dtype, v_dtype = dtype_of(q), dtype_of(k if k is not None else k_t), dtype_of(v)
+    if q_dtype != k_dtype or q_dtype is None or not q_dtype.is_floating_point:
+        raise NearMiss(f"q and k have dtypes {q_dtype} and {k_dtype}")
+    if v_dtype is None or not v_dtype.is_floating_point:
+        raise NearMiss(f"v has dtype {v_dtype}")
+    spec = AttentionSpec(
+        scale=float(scale), mask=plan.kind, causal=plan.causal, nan_rows=plan.nan_rows,
+        dropout_p=float(dropout[0]) if dropout[1] != "off" else 0.0, dropout_mode=dropout[1],
+        gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
+    )
+    if plan.kind != "none":
+        record.spelling.append(f"mask({plan.fill_spelling}{', causal' if plan.causal else ''})")
+    internal.extend([softmax, pv])
+    return Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
+                 v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, dropout_module=dropout_module,
+                 internal=internal)
+
+
+def _t_shape(s: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    if s is None or len(s) < 2:
+        return s
+    return (*s[:-2], s[-1], s[-2])
+
+
+def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: SiteRecord) -> fx.Node | None:
+    """One step from the softmax input towards the product; records the op in ``chain``."""
+    k = op.kind
+    if k == "scale":
+        x, factor, how = op.args
+        if not isinstance(x, fx.Node):
+            return None
+        chain.append(("scale", (factor, how)))
+        record.spelling.append(op.spelling)
+        return x
+    if k in ("cast", "identity"):
+        record.spelling.append(op.spelling)
+        return op.args[0]
+    if k == "masked_fill":
+        x, cond, value = op.args
+        v = _scale_value(value)
+        if v is None or not isinstance(cond, fx.Node):
+            raise NearMiss(f"the masked_fill value `{value}` is not a number known at capture")
+        chain.append(("mask", Fill(cond, v)))
+        record.spelling.append(op.spelling)
+        return x
+    if k == "where":
+        cond, a, b = op.args
+        if isinstance(a, fx.Node) and shape_of(a) == shape_of(node) and _scale_value(b) is not None:
+            chain.append(("mask", Fill(cond, _scale_value(b), keep_when_true=True)))  # type: ignore[arg-type]
+            record.spelling.append("where")
+            return a
+        if isinstance(b, fx.Node) and shape_of(b) == shape_of(node) and _scale_value(a) is not None:
+            chain.append(("mask", Fill(cond, _scale_value(a))))  # type: ignore[arg-type]
+            record.spelling.append("where")
+            return b
+        raise NearMiss("torch.where between product and softmax does not fill with a constant")
+    if k == "add":
+        a, b = op.args
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            raise NearMiss("a constant is added to the scores")
+        out = shape_of(node)
+        # The score operand has the result's full shape and leads back to a product.
+        for s, m in ((a, b), (b, a)):
+            if shape_of(s) == out and _leads_to_product(s):
+                chain.append(("mask", Add(m)))
+                record.spelling.append("+ mask")
+                return s
+        raise NearMiss("an addition between product and softmax has no score operand")
+    return None
+
+
+def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
+    cur: Any = node
+    for _ in range(depth):
+        op = read(cur)
+        if op is None:
+            return False
+        if op.kind == "matmul":
+            return True
+        if op.kind in ("scale", "cast", "identity", "masked_fill"):
+            cur = op.args[0]
+        elif op.kind == "where":
+            cur = op.args[1] if isinstance(op.args[1], fx.Node) and shape_of(op.args[1]) == shape_of(cur) \
+                else op.args[2]
+        elif op.kind == "add":
+            a, b = op.args
+            return (_leads_to_product(a, depth - 1) if isinstance(a, fx.Node) else False) or \
+                (_leads_to_product(b, depth - 1) if isinstance(b, fx.Node) else False)
+        else:
+            return False
+    return False
+
+
+def _repeat_kv_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """``x[:, :, None].expand(B, Hkv, n, T, D).reshape(B, Hkv * n, T, D)`` -> x, else None.
+
+    Query head ``h`` then reads key/value head ``h // n``, which is what ``enable_gqa`` does.
+    """
+    out = shape_of(node)
+    op = read(node, gm)
+    if op is None or op.kind != "view" or out is None or len(out) != 4:
+        return None
+    expanded = op.args[0]
+    es = shape_of(expanded)
+    eop = read(expanded, gm)
+    if es is None or len(es) != 5 or eop is None or eop.kind != "view" or len(expanded.users) != 1:
+        return None
+    if not (_same(es[0], out[0]) and _same(es[3], out[2]) and _same(es[4], out[3])
+            and _same(es[1] * es[2], out[1])):
+        return None
+    if not (isinstance(expanded.target, str) and expanded.target == "expand"
+            or expanded.target is torch.ops.aten.expand.default):
+        return None
+    inserted = eop.args[0]
+    ins = shape_of(inserted)
+    if ins is None or len(ins) != 5 or not _same(ins[2], 1) or len(inserted.users) != 1:
+        return None
+    iop = read(inserted, gm)
+    if iop is None or iop.kind not in ("view", "getitem"):
+        return None
+    src = iop.args[0]
+    ss = shape_of(src)
+    if ss is None or len(ss) != 4:
+        return None
+    if not (_same(ss[0], ins[0]) and _same(ss[1], ins[1]) and _same(ss[2], ins[3]) and _same(ss[3], ins[4])):
+        return None
+    if iop.kind == "getitem" and not _is_none_at(iop.args[1], 2):
+        return None
+    if iop.kind == "view" and not (inserted.target in ("unsqueeze", torch.unsqueeze, torch.ops.aten.unsqueeze.default)
+                                   and _arg_dim(inserted) == 2):
+        return None
+    if not (_same(es[1], ss[1])):
+        return None
+    return src
+
+
+def _arg_dim(node: fx.Node) -> Any:
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return d + 5 if isinstance(d, int) and d < 0 else d
+
+
+def _is_none_at(index: Any, pos: int) -> bool:
+    if not isinstance(index, tuple):
+        return False
+    full = [e for e in index]
+    if Ellipsis in full:
+        i = full.index(Ellipsis)
+        full = full[:i] + [slice(None)] * (5 - len(full)) + full[i + 1:]
+    if len(full) < pos + 1 or full[pos] is not None:
+        return False
+    return all((e is None and i == pos) or (isinstance(e, slice) and e == slice(None))
+               for i, e in enumerate(full))
+
+
+def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None = None,
+               start: int = 0) -> list[Match | SiteRecord]:
+    """Every softmax in ``gm``, proven (Match) or not (SiteRecord with a reason)."""
+    out: list[Match | SiteRecord] = []
+    for node in list(gm.graph.nodes):
+        op = read(node, gm)
+        if op is not None and op.kind == "softmax":
+            out.append(match_site(gm, node, concrete or {}, start + len(out)))
+    return out
+
+
+__all__ = ["Match", "NearMiss", "find_sites", "match_site", "is_scalar"]

@@ -1,0 +1,126 @@
+"""Rewrite proven sites: replace ``softmax(scale * q @ k^T + mask) @ v`` with one site module.
+
+Matches: the :class:`~attnopt.passes.find_sites.Match` objects that ``find_sites`` proved.
+Emits, before the site's ``P @ V`` node::
+
+    q1   = q * t            # only for 0-d tensor scales, folded into q (keeps gradients to t)
+    k    = kT.transpose(-2, -1)   # only when the product read a pre-transposed K
+    mask = ~cond  /  where(cond, -inf, 0.0) + m ...   # the masks, combined for SDPA
+    out  = attnopt_site0(q1, k, v, mask, *guarded_buffers)
+
+then redirects the users of ``P @ V`` to ``out`` and removes the dead scores, probabilities
+and transposes. The ``AttentionSite`` module is added to the GraphModule, so ``gm.code``
+shows the call and ``print(gm)`` shows its spec. Ends with ``graph.lint()`` and ``recompile()``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..runtime import AttentionSite, BufferGuard
+from ..site import REWRITTEN
+from .find_sites import Match
+from .masks import Add, Fill
+
+
+def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
+    plan = m.mask
+    if plan.kind == "none":
+        return None
+    if plan.causal == "top_left" and not plan.guarded:
+        return None  # structurally causal: is_causal=True always holds, no tensor needed
+    mask: fx.Node | None = None
+    if plan.kind == "bool":
+        for t in plan.terms:
+            keep = t.cond if t.keep_when_true else graph.call_function(torch.logical_not, (t.cond,))
+            mask = keep if mask is None else graph.call_function(torch.logical_and, (mask, keep))
+        return mask
+    dtype = m.spec.compute_dtype
+    for t in plan.terms:
+        if isinstance(t, Add):
+            mask = t.mask if mask is None else graph.call_function(operator.add, (mask, t.mask))
+        elif isinstance(t, Fill):
+            keep = t.keep_when_true
+            filled_when = t.cond if not keep else graph.call_function(torch.logical_not, (t.cond,))
+            if mask is None:
+                mask = graph.call_function(_filled, (filled_when, t.value, dtype))
+            else:
+                mask = graph.call_function(torch.where, (filled_when, t.value, mask))
+    return mask
+
+
+def _filled(cond: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask: ``value`` where ``cond``, 0 elsewhere, in the scores' dtype."""
+    return torch.where(cond, torch.tensor(value, dtype=dtype, device=cond.device),
+                       torch.tensor(0.0, dtype=dtype, device=cond.device))
+
+
+def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sdpa",
+                  concrete: dict[fx.Node, torch.Tensor] | None = None) -> fx.GraphModule:
+    """Replace every match in ``gm`` (in place) with an :class:`AttentionSite` call."""
+    graph = gm.graph
+    concrete = concrete or {}
+    for m in matches:
+        with graph.inserting_before(m.output):
+            q: fx.Node = m.q
+            for factor, how in m.scale_tensors:
+                q = graph.call_function(operator.mul if how == "mul" else operator.truediv, (q, factor))
+            k = m.k if m.k is not None else graph.call_method("transpose", (m.k_t, -2, -1))
+            mask = _emit_mask(graph, m)
+            guards = []
+            guard_nodes: list[fx.Node] = []
+            if mask is not None:
+                for buf in m.mask.guarded:
+                    t = concrete.get(buf)
+                    if t is None and buf.op == "get_attr":
+                        t = _attr(gm, str(buf.target))
+                    guards.append(BufferGuard.of(t))
+                    guard_nodes.append(buf)
+            name = f"attnopt_{m.record.name}"
+            while hasattr(gm, name):
+                name += "_"
+            where = f"{m.record.module_path} {m.record.source}".strip()
+            gm.add_submodule(name, AttentionSite(m.record.name, m.spec, candidate, guards, where))
+            new = graph.call_module(name, (q, k, m.v, mask, *guard_nodes))
+        for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
+            if key in m.output.meta:
+                new.meta[key] = m.output.meta[key]
+        m.output.replace_all_uses_with(new)
+        _erase_unused(graph, m.internal)
+        m.record.decision = REWRITTEN
+        m.record.rewrite = candidate
+        m.record.spec = m.spec
+        m.record.reason = m.spec.describe()
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[return-value]
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` and then whatever fed only them (transposes, repeat_kv, mask pieces).
+
+    Placeholders, attributes, module calls and in-place methods are never erased.
+    """
+    pending = list(nodes)
+    erased: set[fx.Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or node.op in ("placeholder", "get_attr", "output",
+                                                                 "call_module"):
+            continue
+        if node.op == "call_method" and str(node.target).endswith("_") or node.is_impure():
+            continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(inputs)

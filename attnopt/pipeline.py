@@ -1,0 +1,127 @@
+"""The pipeline: one captured FX graph in, the same graph with attention rewritten out.
+
+Both routes use it: the dynamo backend (``optimize``, ``torch.compile(backend="attnopt")``)
+and ``rewrite(gm)`` for a GraphModule the user already has.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .candidates import get_candidate
+from .config import OptimizeConfig
+from .passes.find_sites import Match, find_sites
+from .passes.rewrite_sdpa import rewrite_sites
+from .passes.shapes import ensure_shapes
+from .passes.verify import compare_outputs
+from .site import LEFT_ALONE, SiteRecord
+
+log = logging.getLogger("attnopt")
+
+
+def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: OptimizeConfig,
+                 graph_id: int = 0) -> tuple[fx.GraphModule, list[SiteRecord]]:
+    """Rewrite the attention in a copy of ``gm``; return it with one record per softmax."""
+    work = _copy(gm)                                   # capture: the caller's graph is never edited
+    ensure_shapes(work, example_inputs)                # every node gets a (possibly symbolic) shape
+    concrete = _bind(work, example_inputs)             # real buffer values, for causal-mask proofs
+    found = find_sites(work, concrete)                 # canonicalise, match, prove: Match or near miss
+    records = [f.record if isinstance(f, Match) else f for f in found]
+    for r in records:
+        r.graph_id = graph_id
+    chosen = _choose([f for f in found if isinstance(f, Match)], config)  # variant -> candidate per site
+    if chosen:
+        candidate = config.candidate
+        assert candidate is not None
+        rewrite_sites(work, chosen, candidate, concrete)  # replace each site with its site module
+        if config.verify and example_inputs is not None:  # drop rewrites whose outputs differ
+            work = _verify(gm, work, example_inputs, chosen, config, graph_id)
+    for r in records:
+        log.info("graph %d %s [%s %s] %s: %s", graph_id, r.name, r.module_path, r.source, r.decision,
+                 r.reason or r.rewrite)
+    return work, records
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def _bind(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[fx.Node, torch.Tensor]:
+    if example_inputs is None:
+        return {}
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    out = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and not value.is_meta:
+            out[node] = value
+    return out
+
+
+def _choose(matches: list[Match], config: OptimizeConfig) -> list[Match]:
+    name = config.candidate
+    if name is None:
+        for m in matches:
+            m.record.decision = LEFT_ALONE
+            m.record.reason = f"variant='eager': left as written ({m.spec.describe()})"
+        return []
+    cand = get_candidate(name)
+    chosen = []
+    for m in matches:
+        why = cand.supports(m.spec)
+        if why is None:
+            chosen.append(m)
+        else:
+            m.record.decision = LEFT_ALONE
+            m.record.reason = f"{name} cannot serve this site: {why}"
+    return chosen
+
+
+def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any],
+            chosen: list[Match], config: OptimizeConfig, graph_id: int) -> fx.GraphModule:
+    active = [m.record.name for m in chosen if m.spec.dropout_mode == "on"
+              or (m.spec.dropout_mode == "module" and rewritten.training)]
+    if active:
+        warnings.warn(f"attnopt: verify skipped for graph {graph_id}: dropout is active at {', '.join(active)}, "
+                      "so outputs are random; call model.eval() to verify", stacklevel=4)
+        return rewritten
+    problems = compare_outputs(original, rewritten, inputs)
+    if not problems:
+        for m in chosen:
+            m.record.extra["verified"] = True
+        return rewritten
+    # Find the sites to blame one at a time, keep the rest.
+    keep = []
+    for m in chosen:
+        trial = _rewrite_subset(original, inputs, config, {m.record.name})
+        if compare_outputs(original, trial, inputs):
+            m.record.decision = LEFT_ALONE
+            m.record.rewrite = ""
+            m.record.reason = f"verify: outputs differed beyond tolerance ({problems[0]}); left as written"
+            warnings.warn(f"attnopt: dropped the rewrite of {m.record.name} ({m.record.module_path} "
+                          f"{m.record.source}): {problems[0]}", stacklevel=4)
+        else:
+            m.record.extra["verified"] = True
+            keep.append(m.record.name)
+    return _rewrite_subset(original, inputs, config, set(keep))
+
+
+def _rewrite_subset(gm: fx.GraphModule, inputs: Sequence[Any], config: OptimizeConfig,
+                    names: set[str]) -> fx.GraphModule:
+    work = _copy(gm)
+    ensure_shapes(work, inputs)
+    concrete = _bind(work, inputs)
+    found = [f for f in find_sites(work, concrete) if isinstance(f, Match) and f.record.name in names]
+    if found:
+        rewrite_sites(work, found, config.candidate or "sdpa", concrete)
+    return work

@@ -1,0 +1,69 @@
+"""The report ``explain()`` returns: one record per softmax found, rendered as a table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .site import REWRITTEN, SiteRecord
+
+
+@dataclass
+class Report:
+    """Every site attnopt saw in the graphs it captured, with decisions and reasons.
+
+    ``print(report)`` renders a table; ``report.records`` holds :class:`SiteRecord` objects;
+    ``report.rewritten`` counts the sites that now run through a faster candidate;
+    ``report.failures`` lists graphs that could not be processed at all (they run as written).
+    """
+
+    records: list[SiteRecord] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    graphs: int = 0
+
+    def __iter__(self) -> Iterator[SiteRecord]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def rewritten(self) -> int:
+        return sum(r.decision == REWRITTEN for r in self.records)
+
+    @property
+    def sites(self) -> list[SiteRecord]:
+        """Records of softmaxes that are attention (rewritten or near misses)."""
+        return [r for r in self.records if r.decision != "not attention"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graphs": self.graphs, "rewritten": self.rewritten, "failures": list(self.failures),
+                "records": [r.as_dict() for r in self.records]}
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = []
+        for r in self.records:
+            where = " ".join(x for x in (r.module_path, f"({r.source})" if r.source else "") if x)
+            what = f"-> {r.rewrite}: {r.reason}" if r.decision == REWRITTEN else r.reason
+            name = f"g{r.graph_id}.{r.name}" if self.graphs > 1 else r.name
+            rows.append([name, where or "-", " ".join(r.spelling), r.decision, what])
+        return tabulate(rows, headers=["site", "where", "spelling recognised", "decision", "details"],
+                        tablefmt="simple", maxcolwidths=[None, 36, 40, None, 60])
+
+    def __str__(self) -> str:
+        head = (f"attnopt: {self.rewritten} of {len(self.sites)} attention site(s) rewritten "
+                f"in {self.graphs} captured graph(s)")
+        lines = [head]
+        if self.records:
+            lines += ["", self.table()]
+        elif not self.failures:
+            lines.append("(no softmax found in the captured graphs)")
+        for f in self.failures:
+            lines.append(f"graph not rewritten: {f}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Report(rewritten={self.rewritten}, sites={len(self.sites)}, graphs={self.graphs})"

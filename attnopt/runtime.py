@@ -1,0 +1,143 @@
+"""What a rewritten graph calls at run time: one :class:`AttentionSite` module per site.
+
+The rewrite pass replaces a site's nodes with ``call_module(attnopt_siteN, (q, k, v, mask,
+*guarded_buffers))``. The module
+
+* brings q, k, v to 4-D and v to q's dtype (the products' dtype as written),
+* uses ``is_causal=True`` only when the mask was proven causal, the buffers that proof read
+  are unchanged (:class:`BufferGuard`), and the alignment matches SDPA's top-left causal
+  mask (bottom-right masks only when ``Tq == Tk``); otherwise the mask tensor is passed,
+* applies dropout exactly when the original would (``nn.Dropout`` replaced: in training mode),
+* restores NaN rows where every key was masked with ``-inf`` (the original's result),
+* calls the chosen candidate inside a ``record_function("attnopt::<site>")`` range, and
+  falls back to the ``math`` candidate with a warning if the candidate raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .candidates import get_candidate
+from .site import AttentionSpec
+
+log = logging.getLogger("attnopt")
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+@dataclass
+class BufferGuard:
+    """Checks that a buffer a causal proof read still holds the proven lower-triangular pattern.
+
+    The cheap check is the tensor's storage pointer and version counter (bumped by every
+    in-place write). When either moved, the pattern is checked again on the new values
+    once; if it no longer holds, the site passes the mask tensor instead of ``is_causal``.
+    """
+
+    data_ptr: int
+    version: int
+    below: float
+    above: float
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> BufferGuard:
+        t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
+        return cls(t.data_ptr(), t._version, t2[0, 0].item(), t2[0, 1].item())
+
+    def holds(self, t: torch.Tensor) -> bool:
+        if t.data_ptr() == self.data_ptr and t._version == self.version:
+            return True
+        t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
+        lower = torch.ones_like(t2, dtype=torch.bool).tril()
+        expected = torch.where(lower, torch.tensor(self.below, dtype=t2.dtype, device=t2.device),
+                               torch.tensor(self.above, dtype=t2.dtype, device=t2.device))
+        ok = bool(torch.equal(t2, expected))
+        if ok:
+            self.data_ptr, self.version = t.data_ptr(), t._version
+        else:
+            warnings.warn("attnopt: a causal mask buffer changed and is no longer lower-triangular; "
+                          "the site now passes the mask tensor to SDPA", stacklevel=3)
+        return ok
+
+
+class AttentionSite(nn.Module):
+    """Runs one rewritten attention site with a registered candidate."""
+
+    def __init__(self, name: str, spec: AttentionSpec, candidate: str = "sdpa",
+                 guards: list[BufferGuard] | None = None, where: str = ""):
+        super().__init__()
+        self.site_name = name
+        self.spec = spec
+        self.candidate = candidate
+        self.guards = list(guards or [])
+        self.where = where
+        self._fell_back = False
+        get_candidate(candidate)  # fail early on a bad name
+
+    def extra_repr(self) -> str:
+        return f"{self.site_name}: {self.candidate}, {self.spec.describe()}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                *guarded: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        lead = 4 - q.dim()
+        if lead:
+            q, k, v = (t.reshape((1,) * lead + t.shape) for t in (q, k, v))
+        if v.dtype != q.dtype:
+            v = v.to(q.dtype)
+        use_causal = False
+        if spec.causal is not None:
+            aligned = spec.causal == "top_left" or q.size(-2) == k.size(-2)
+            use_causal = aligned and self._guards_hold(guarded)
+        dropout_active = spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training)
+        kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=spec.scale,
+                      dropout_p=spec.dropout_p if dropout_active else 0.0, enable_gqa=spec.gqa)
+        with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
+            out = self._call(q, k, v, kwargs)
+        if spec.nan_rows and not use_causal and mask is not None:
+            if mask.dtype == torch.bool:
+                dead = ~mask.any(-1, keepdim=True)
+            else:
+                dead = torch.isneginf(mask).all(-1, keepdim=True)
+            out = out.masked_fill(dead, float("nan"))
+        if lead:
+            out = out.reshape(out.shape[lead:])
+        if spec.out_dtype is not None and out.dtype != spec.out_dtype:
+            out = out.to(spec.out_dtype)
+        return out
+
+    def _guards_hold(self, guarded: tuple[torch.Tensor, ...]) -> bool:
+        if not self.guards:
+            return True
+        if any(_tracing(t) for t in guarded):
+            return True  # checked at the compiled graph's boundary instead
+        return all(g.holds(t) for g, t in zip(self.guards, guarded))
+
+    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        fn = get_candidate(self.candidate)
+        if self._fell_back or _tracing(q):
+            fn = get_candidate("math") if self._fell_back else fn
+            return fn(q, k, v, **kwargs)
+        try:
+            return fn(q, k, v, **kwargs)
+        except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
+            warnings.warn(f"attnopt: candidate {self.candidate!r} failed at {self.site_name} ({self.where}): "
+                          f"{type(e).__name__}: {e}; running the reference computation instead", stacklevel=3)
+            log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name,
+                        self.candidate, e)
+            self._fell_back = True
+            return get_candidate("math")(q, k, v, **kwargs)

@@ -1,0 +1,109 @@
+"""Site records: what attnopt found at one softmax, what it proved, and what it decided.
+
+A :class:`SiteRecord` is created by ``find_sites`` for every softmax in a captured graph and
+filled in by later passes (``rewrite_sdpa`` sets the decision; ``verify`` may revoke it; the
+selector of later releases adds timings). :class:`AttentionSpec` is the proven, frozen
+description of the function a matched site computes, which every candidate implementation
+receives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Decisions a site can carry.
+REWRITTEN = "rewritten"
+LEFT_ALONE = "left alone"
+NOT_ATTENTION = "not attention"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The function a matched site computes: ``softmax(scale * q @ k^T + mask) @ v``.
+
+    Attributes:
+        scale: the factor on the scores as a Python float; ``1.0`` when the scale was written
+            on ``q`` (then it stays there) or folded from a tensor into ``q``.
+        mask: ``"none"``, ``"bool"`` (True = attend) or ``"additive"`` (added to the scores).
+        causal: ``None``, ``"top_left"`` or ``"bottom_right"``: the mask is proven to be exactly
+            this causal pattern (so ``is_causal`` may replace it when the alignment allows).
+        nan_rows: reproduce NaN for rows whose keys are all masked with ``-inf`` (the
+            original's result), since SDPA returns zeros there.
+        dropout_p: the dropout probability on the attention probabilities.
+        dropout_mode: ``"off"``, ``"on"`` (always active), or ``"module"`` (active when the
+            rewritten module is in training mode, like the ``nn.Dropout`` it replaces).
+        gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
+            ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
+        ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
+        compute_dtype: dtype the products were computed in.
+        out_dtype: dtype of the site's output as written.
+    """
+
+    scale: float
+    mask: str = "none"
+    causal: str | None = None
+    nan_rows: bool = False
+    dropout_p: float = 0.0
+    dropout_mode: str = "off"
+    gqa: bool = False
+    ndim: int = 4
+    compute_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.mask not in ("none", "bool", "additive"):
+            raise ValueError(f"mask must be 'none', 'bool' or 'additive', got {self.mask!r}")
+        if self.causal not in (None, "top_left", "bottom_right"):
+            raise ValueError(f"causal must be None, 'top_left' or 'bottom_right', got {self.causal!r}")
+        if self.dropout_mode not in ("off", "on", "module"):
+            raise ValueError(f"dropout_mode must be 'off', 'on' or 'module', got {self.dropout_mode!r}")
+        if not (isinstance(self.scale, float) and math.isfinite(self.scale)):
+            raise ValueError(f"scale must be a finite float, got {self.scale!r}")
+
+    def describe(self) -> str:
+        parts = [f"scale={self.scale:.6g}"]
+        if self.causal:
+            parts.append(f"causal ({self.causal.replace('_', '-')})")
+        elif self.mask != "none":
+            parts.append(f"{self.mask} mask")
+        if self.dropout_mode != "off":
+            parts.append(f"dropout p={self.dropout_p:g}")
+        if self.gqa:
+            parts.append("GQA")
+        return ", ".join(parts)
+
+
+@dataclass
+class SiteRecord:
+    """One softmax in a captured graph and everything attnopt decided about it."""
+
+    name: str
+    module_path: str = ""
+    source: str = ""
+    spelling: list[str] = field(default_factory=list)
+    decision: str = NOT_ATTENTION
+    reason: str = ""
+    rewrite: str = ""
+    spec: AttentionSpec | None = None
+    graph_id: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rewritten(self) -> bool:
+        return self.decision == REWRITTEN
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module_path": self.module_path,
+            "source": self.source,
+            "spelling": " ".join(self.spelling),
+            "decision": self.decision,
+            "rewrite": self.rewrite,
+            "reason": self.reason,
+            "spec": self.spec.describe() if self.spec else "",
+        }
