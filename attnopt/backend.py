@@ -84,7 +84,7 @@ def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:
             continue
         mod = gm.get_submodule(str(node.target))
         if isinstance(mod, AttentionSite) and mod.guards:
-            for g, arg in zip(mod.guards, node.args[4:]):
+            for g, arg in zip(mod.guards, node.args[6:]):
                 if arg in placeholders:
                     out.append((placeholders[arg], g))
     return out

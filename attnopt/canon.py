@@ -297,8 +297,10 @@ def _dropout_fn(node: fx.Node, _: Any) -> Op | None:
     p = _arg(node, 1, "p", 0.5)
     training = _arg(node, 2, "training", True) if node.target is F.dropout else _arg(node, 2, "train", True)
     inplace = _arg(node, 3, "inplace", False) if node.target is F.dropout else False
-    if not isinstance(training, bool) or not isinstance(p, (int, float)) or inplace:
+    if not isinstance(training, bool) or not (isinstance(p, (int, float)) or is_scalar(p)) or inplace:
         return None
+    if not isinstance(p, (int, float)):  # a run-time number (dynamo made the module's p an input)
+        return Op("dropout", (x, p, "on" if training else "off"), _spell(node))
     return Op("dropout", (x, float(p), "on" if training and p > 0 else "off"), _spell(node))
 
 
@@ -330,6 +332,18 @@ def _getitem(node: fx.Node, _: Any) -> Op:
     return Op("getitem", (node.args[0], node.args[1]), _spell(node))
 
 
+def _aten_slice(node: fx.Node, _: Any) -> Op | None:
+    """``aten.slice(x, dim, start, end, step)`` read as the ``getitem`` of one dim."""
+    x = node.args[0]
+    nd = _ndim(x)
+    dim = _norm_dim(_arg(node, 1, "dim", 0), nd)
+    if not isinstance(dim, int) or nd is None:
+        return None
+    sl = slice(_arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1))
+    index = tuple(slice(None) for _ in range(dim)) + (sl,)
+    return Op("getitem", (x, index), _spell(node))
+
+
 def _view(node: fx.Node, _: Any) -> Op:
     return Op("view", (node.args[0],), _spell(node))
 
@@ -346,6 +360,8 @@ def _spell(node: fx.Node) -> str:
     t = node.target
     if node.op == "call_method":
         return f".{t}()"
+    if isinstance(t, torch._ops.OpOverload):
+        return f"aten.{t.__name__.split('.')[0]}"
     names = {operator.matmul: "@", operator.mul: "*", operator.truediv: "/", operator.add: "+",
              operator.imul: "*=", operator.itruediv: "/=", operator.iadd: "+="}
     if t in names:
@@ -373,6 +389,7 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.where: _where, aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
     F.softmax: _softmax, torch.softmax: _softmax, aten.softmax.int: _softmax, aten._softmax.default: _aten_softmax,
     aten._to_copy.default: _cast,
+    aten.alias.default: _identity, aten.clone.default: _identity, aten.contiguous.default: _identity,
     F.dropout: _dropout_fn, torch.dropout: _dropout_fn, aten.dropout.default: _dropout_fn,
     operator.eq: _binary("eq"), torch.eq: _binary("eq"), aten.eq.Scalar: _binary("eq"), aten.eq.Tensor: _binary("eq"),
     operator.ne: _binary("ne"), torch.ne: _binary("ne"), aten.ne.Scalar: _binary("ne"),
@@ -380,7 +397,7 @@ _FUNCTIONS: dict[Any, Reader] = {
     aten.logical_not.default: _not, aten.bitwise_not.default: _not,
     torch.tril: _tri("tril"), torch.triu: _tri("triu"),
     aten.tril.default: _tri("tril"), aten.triu.default: _tri("triu"),
-    operator.getitem: _getitem,
+    operator.getitem: _getitem, aten.slice.Tensor: _aten_slice,
     torch.reshape: _view, torch.unsqueeze: _view, aten.view.default: _view, aten.reshape.default: _view,
     aten.unsqueeze.default: _view, aten.expand.default: _view, aten._unsafe_view.default: _view,
     torch.ones: _factory(None, 1), torch.ones_like: _factory(None, 1), aten.ones.default: _factory(None, 1),

@@ -1,7 +1,8 @@
 """What a rewritten graph calls at run time: one :class:`AttentionSite` module per site.
 
 The rewrite pass replaces a site's nodes with ``call_module(attnopt_siteN, (q, k, v, mask,
-*guarded_buffers))``. The module
+scale, dropout_p, *guarded_buffers))`` (``scale``/``dropout_p`` are None unless they are
+run-time numbers). The module
 
 * brings q, k, v to 4-D and v to q's dtype (the products' dtype as written),
 * uses ``is_causal=True`` only when the mask was proven causal, the buffers that proof read
@@ -92,8 +93,11 @@ class AttentionSite(nn.Module):
         return f"{self.site_name}: {self.candidate}, {self.spec.describe()}"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                scale: float | None = None, dropout_p: float | None = None,
                 *guarded: torch.Tensor) -> torch.Tensor:
         spec = self.spec
+        scale = spec.scale if scale is None else float(scale)
+        p = spec.dropout_p if dropout_p is None else float(dropout_p)
         lead = 4 - q.dim()
         if lead:
             q, k, v = (t.reshape((1,) * lead + t.shape) for t in (q, k, v))
@@ -104,8 +108,8 @@ class AttentionSite(nn.Module):
             aligned = spec.causal == "top_left" or q.size(-2) == k.size(-2)
             use_causal = aligned and self._guards_hold(guarded)
         dropout_active = spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training)
-        kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=spec.scale,
-                      dropout_p=spec.dropout_p if dropout_active else 0.0, enable_gqa=spec.gqa)
+        kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=scale,
+                      dropout_p=p if dropout_active else 0.0, enable_gqa=spec.gqa)
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
             out = self._call(q, k, v, kwargs)
         if spec.nan_rows and not use_causal and mask is not None:

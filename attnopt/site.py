@@ -27,7 +27,9 @@ class AttentionSpec:
 
     Attributes:
         scale: the factor on the scores as a Python float; ``1.0`` when the scale was written
-            on ``q`` (then it stays there) or folded from a tensor into ``q``.
+            on ``q`` (then it stays there) or folded from a tensor into ``q``. With
+            ``runtime_scale`` it is multiplied by numbers only known at run time (dynamo turns
+            float module attributes into inputs), which the site receives as an argument.
         mask: ``"none"``, ``"bool"`` (True = attend) or ``"additive"`` (added to the scores).
         causal: ``None``, ``"top_left"`` or ``"bottom_right"``: the mask is proven to be exactly
             this causal pattern (so ``is_causal`` may replace it when the alignment allows).
@@ -36,6 +38,7 @@ class AttentionSpec:
         dropout_p: the dropout probability on the attention probabilities.
         dropout_mode: ``"off"``, ``"on"`` (always active), or ``"module"`` (active when the
             rewritten module is in training mode, like the ``nn.Dropout`` it replaces).
+        runtime_dropout: the dropout probability is a run-time number passed to the site.
         gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
             ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
@@ -53,6 +56,8 @@ class AttentionSpec:
     ndim: int = 4
     compute_dtype: torch.dtype | None = None
     out_dtype: torch.dtype | None = None
+    runtime_scale: bool = False
+    runtime_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -65,13 +70,13 @@ class AttentionSpec:
             raise ValueError(f"scale must be a finite float, got {self.scale!r}")
 
     def describe(self) -> str:
-        parts = [f"scale={self.scale:.6g}"]
+        parts = [f"scale={self.scale:.6g}" + (" x run-time value" if self.runtime_scale else "")]
         if self.causal:
             parts.append(f"causal ({self.causal.replace('_', '-')})")
         elif self.mask != "none":
             parts.append(f"{self.mask} mask")
         if self.dropout_mode != "off":
-            parts.append(f"dropout p={self.dropout_p:g}")
+            parts.append("dropout p=run-time value" if self.runtime_dropout else f"dropout p={self.dropout_p:g}")
         if self.gqa:
             parts.append("GQA")
         return ", ".join(parts)

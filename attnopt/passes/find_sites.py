@@ -54,6 +54,8 @@ class Match:
     spec: AttentionSpec
     mask: MaskPlan
     scale_tensors: list[tuple[Any, str]] = field(default_factory=list)  # folded into q
+    scale_nodes: list[tuple[Any, str]] = field(default_factory=list)  # run-time numbers (SymFloat)
+    dropout_p: Any = None  # a run-time dropout probability node, when not a constant
     dropout_module: str | None = None
     internal: list[fx.Node] = field(default_factory=list)
 
@@ -145,7 +147,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     # ---- forward from the softmax: probabilities -> P @ V
     internal: list[fx.Node] = []
     cur = softmax
-    dropout: tuple[float, str] = (0.0, "off")
+    dropout: tuple[Any, str] = (0.0, "off")
     dropout_module: str | None = None
     while True:
         try:
@@ -218,6 +220,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     # ---- scale, then masks, in program order
     scale = 1.0
     scale_tensors: list[tuple[Any, str]] = []
+    scale_nodes: list[tuple[Any, str]] = []
     masks: list[Any] = []
     for kind, payload in chain:
         if kind == "scale":
@@ -228,6 +231,9 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             if value is None:
                 if isinstance(factor, fx.Node) and is_zero_dim_tensor(factor):
                     scale_tensors.append((factor, how))
+                    continue
+                if is_scalar(factor):  # a number only known at run time (e.g. a float module attribute)
+                    scale_nodes.append((factor, how))
                     continue
                 raise NearMiss(f"the scale `{factor}` is not a number known at capture")
             if how == "div":
@@ -252,7 +258,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         if kop is not None and kop.kind == "transpose" and kt_shape is not None \
                 and (kop.args[1], kop.args[2]) == (len(kt_shape) - 2, len(kt_shape) - 1):
             k = kop.args[0]
-            record.spelling.insert(1, "k" + kop.spelling.replace("()", "(-2, -1)"))
+            record.spelling.insert(1, "k" + kop.spelling.replace("()", "(-2, -1)") if kop.spelling.startswith(".")
+                                   else f"{kop.spelling}(k)")
     key_shape = shape_of(k) if k is not None else _t_shape(shape_of(k_t))
     q_shape, v_shape, out_shape = shape_of(q), shape_of(v), shape_of(pv)
     if None in (key_shape, q_shape, v_shape, out_shape):
@@ -298,16 +305,19 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         raise NearMiss(f"q and k have dtypes {q_dtype} and {k_dtype}")
     if v_dtype is None or not v_dtype.is_floating_point:
         raise NearMiss(f"v has dtype {v_dtype}")
+    runtime_p = dropout[1] != "off" and not isinstance(dropout[0], (int, float))
     spec = AttentionSpec(
         scale=float(scale), mask=plan.kind, causal=plan.causal, nan_rows=plan.nan_rows,
-        dropout_p=float(dropout[0]) if dropout[1] != "off" else 0.0, dropout_mode=dropout[1],
+        dropout_p=float(dropout[0]) if dropout[1] != "off" and not runtime_p else 0.0, dropout_mode=dropout[1],
+        runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p,
         gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
     )
     if plan.kind != "none":
         record.spelling.append(f"mask({plan.fill_spelling}{', causal' if plan.causal else ''})")
     internal.extend([softmax, pv])
     return Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
-                 v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, dropout_module=dropout_module,
+                 v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,
+                 dropout_p=dropout[0] if runtime_p else None, dropout_module=dropout_module,
                  internal=internal)
 
 

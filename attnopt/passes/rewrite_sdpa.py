@@ -6,7 +6,8 @@ Emits, before the site's ``P @ V`` node::
     q1   = q * t            # only for 0-d tensor scales, folded into q (keeps gradients to t)
     k    = kT.transpose(-2, -1)   # only when the product read a pre-transposed K
     mask = ~cond  /  where(cond, -inf, 0.0) + m ...   # the masks, combined for SDPA
-    out  = attnopt_site0(q1, k, v, mask, *guarded_buffers)
+    s    = 0.125 * attr_scale        # only for run-time numbers (float module attributes)
+    out  = attnopt_site0(q1, k, v, mask, s, dropout_p, *guarded_buffers)
 
 then redirects the users of ``P @ V`` to ``out`` and removes the dead scores, probabilities
 and transposes. The ``AttentionSite`` module is added to the GraphModule, so ``gm.code``
@@ -16,6 +17,7 @@ shows the call and ``print(gm)`` shows its spec. Ends with ``graph.lint()`` and 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -79,12 +81,17 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                         t = _attr(gm, str(buf.target))
                     guards.append(BufferGuard.of(t))
                     guard_nodes.append(buf)
+            scale: Any = None
+            if m.scale_nodes:
+                scale = m.spec.scale
+                for factor, how in m.scale_nodes:
+                    scale = graph.call_function(operator.mul if how == "mul" else operator.truediv, (scale, factor))
             name = f"attnopt_{m.record.name}"
             while hasattr(gm, name):
                 name += "_"
             where = f"{m.record.module_path} {m.record.source}".strip()
             gm.add_submodule(name, AttentionSite(m.record.name, m.spec, candidate, guards, where))
-            new = graph.call_module(name, (q, k, m.v, mask, *guard_nodes))
+            new = graph.call_module(name, (q, k, m.v, mask, scale, m.dropout_p, *guard_nodes))
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
             if key in m.output.meta:
                 new.meta[key] = m.output.meta[key]
