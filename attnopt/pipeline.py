@@ -52,6 +52,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
+    new.train(gm.training)
     return new
 
 

@@ -98,8 +98,14 @@ def _user_desc(n: fx.Node) -> str:
     return f"also used by `{n.name}`{where}"
 
 
+def _reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
+    """``x.type_as(node)``: ``node`` gives only its dtype, not its values (``softmax(s.float()).type_as(s)``)."""
+    return (user.op == "call_method" and user.target == "type_as" and len(user.args) == 2
+            and user.args[0] is not node and user.args[1] is node and not user.kwargs)
+
+
 def _only_user(node: fx.Node, what: str) -> fx.Node:
-    users = list(node.users)
+    users = [u for u in node.users if not _reads_only_dtype(u, node)]
     if len(users) != 1:
         others = ", ".join(_user_desc(u) for u in users[:3])
         raise NearMiss(f"the {what} are used elsewhere ({others})")

@@ -90,13 +90,14 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             while hasattr(gm, name):
                 name += "_"
             where = f"{m.record.module_path} {m.record.source}".strip()
-            gm.add_submodule(name, AttentionSite(m.record.name, m.spec, candidate, guards, where))
+            site = AttentionSite(m.record.name, m.spec, candidate, guards, where)
+            gm.add_submodule(name, site.train(gm.training))
             new = graph.call_module(name, (q, k, m.v, mask, scale, m.dropout_p, *guard_nodes))
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
             if key in m.output.meta:
                 new.meta[key] = m.output.meta[key]
         m.output.replace_all_uses_with(new)
-        _erase_unused(graph, m.internal)
+        _erase_unused(gm, m.internal)
         m.record.decision = REWRITTEN
         m.record.rewrite = candidate
         m.record.spec = m.spec
@@ -113,17 +114,23 @@ def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
     return obj  # type: ignore[return-value]
 
 
-def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+_PURE_MODULES = (torch.nn.Softmax, torch.nn.Dropout)
+
+
+def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
     """Erase ``nodes`` and then whatever fed only them (transposes, repeat_kv, mask pieces).
 
-    Placeholders, attributes, module calls and in-place methods are never erased.
+    Placeholders, attributes, in-place methods and calls of modules other than
+    ``nn.Softmax``/``nn.Dropout`` are never erased.
     """
+    graph = gm.graph
     pending = list(nodes)
     erased: set[fx.Node] = set()
     while pending:
         node = pending.pop()
-        if node in erased or node.users or node.op in ("placeholder", "get_attr", "output",
-                                                                 "call_module"):
+        if node in erased or node.users or node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if node.op == "call_module" and not isinstance(gm.get_submodule(str(node.target)), _PURE_MODULES):
             continue
         if node.op == "call_method" and str(node.target).endswith("_") or node.is_impure():
             continue
