@@ -327,6 +327,12 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
                  internal=internal)
 
 
+def _same_shape(a: Any, b: Any) -> bool:
+    """Shapes provably equal (symbolic sizes compared without adding guards)."""
+    sa, sb = shape_of(a), shape_of(b)
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(_same(x, y) for x, y in zip(sa, sb))
+
+
 def _t_shape(s: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
     if s is None or len(s) < 2:
         return s
@@ -356,11 +362,11 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         return x
     if k == "where":
         cond, a, b = op.args
-        if isinstance(a, fx.Node) and shape_of(a) == shape_of(node) and _scale_value(b) is not None:
+        if isinstance(a, fx.Node) and _same_shape(a, node) and _scale_value(b) is not None:
             chain.append(("mask", Fill(cond, _scale_value(b), keep_when_true=True)))  # type: ignore[arg-type]
             record.spelling.append("where")
             return a
-        if isinstance(b, fx.Node) and shape_of(b) == shape_of(node) and _scale_value(a) is not None:
+        if isinstance(b, fx.Node) and _same_shape(b, node) and _scale_value(a) is not None:
             chain.append(("mask", Fill(cond, _scale_value(a))))  # type: ignore[arg-type]
             record.spelling.append("where")
             return b
@@ -369,10 +375,9 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         a, b = op.args
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             raise NearMiss("a constant is added to the scores")
-        out = shape_of(node)
         # The score operand has the result's full shape and leads back to a product.
         for s, m in ((a, b), (b, a)):
-            if shape_of(s) == out and _leads_to_product(s):
+            if _same_shape(s, node) and _leads_to_product(s):
                 chain.append(("mask", Add(m)))
                 record.spelling.append("+ mask")
                 return s
@@ -391,7 +396,7 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
         if op.kind in ("scale", "cast", "identity", "masked_fill"):
             cur = op.args[0]
         elif op.kind == "where":
-            cur = op.args[1] if isinstance(op.args[1], fx.Node) and shape_of(op.args[1]) == shape_of(cur) \
+            cur = op.args[1] if isinstance(op.args[1], fx.Node) and _same_shape(op.args[1], cur) \
                 else op.args[2]
         elif op.kind == "add":
             a, b = op.args

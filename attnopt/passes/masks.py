@@ -115,7 +115,7 @@ class BandReader:
             fill = _value(op.args[0])
             if not isinstance(fill, (int, float, bool)):
                 raise _Unknown
-            return Band(rows, cols, 0, fill, fill)
+            return _convert(Band(rows, cols, 0, fill, fill), dtype_of(node))  # ones(.., dtype=bool): True
         if k in ("tril", "triu"):
             src = self.band(op.args[0])
             if src.below != src.above:
@@ -261,8 +261,9 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
         except _Unknown:
             pass
     # A row with every key masked by -inf is NaN as written; SDPA gives zeros there. Top-left
-    # causal masks keep key 0 in every row, so only other masks need the NaN rows restored.
+    # causal masks keep key 0 in every row, so only other masks need the NaN rows restored
+    # (and guarded ones, for the run where the guard fails and the mask tensor is used).
     has_inf = any(isinstance(t, Fill) and t.value == -math.inf for t in terms) or any(
         isinstance(t, Add) for t in terms)
-    plan.nan_rows = has_inf and plan.causal != "top_left"
+    plan.nan_rows = has_inf and (plan.causal != "top_left" or bool(plan.guarded))
     return plan
