@@ -1,0 +1,38 @@
+"""Command line: ``python -m attnopt <command>`` (also installed as ``attnopt``).
+
+    $ attnopt demo                 # optimize the built-in NanoGPT, print measured speed/memory and explain()
+    $ attnopt demo --seq-len 512 --layers 2
+
+Each subcommand lives in its own module and contributes ``add_arguments(parser)`` and
+``main(args) -> int``; add new ones to ``_COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help); modules are imported only when their command runs.
+_COMMANDS = {
+    "demo": ("attnopt.demo", "optimize the built-in NanoGPT and show measured speed, memory and explain()"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnopt", description="Find hand-written attention in PyTorch models "
+                                     "and rewrite it to exact, faster kernels.")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    for name, (module, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, _ = _COMMANDS[args.command]
+    return int(importlib.import_module(module).main(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

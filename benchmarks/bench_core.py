@@ -1,0 +1,226 @@
+"""Core benchmark: a nanoGPT causal self-attention block, eager vs torch.compile vs hand-written SDPA vs attnopt.
+
+    python benchmarks/bench_core.py                       # T in {256, 1024}, memory at T=4096
+    python benchmarks/bench_core.py --seq-lens 256 512 1024 2048 --repeats 30
+
+Block: ``attnopt.models.CausalSelfAttention(GPTConfig(n_embd=768, n_head=12, block_size=4096,
+dropout=0.0))``, B=1, fp32, eval, no_grad, on CPU (or ``--device cuda``). Variants share weights:
+
+* ``eager``    the block as written (materialised (B, H, T, T) scores, tril-buffer mask)
+* ``compile``  ``torch.compile(block)`` with the default (Inductor) backend
+* ``sdpa``     ``attnopt.models.SDPACausalSelfAttention`` (the same block hand-written with SDPA)
+* ``attnopt``  ``attnopt.optimize(block)``
+
+For every T, dynamo's caches are reset and both compiled variants are built afresh, so each is
+specialised to that one static shape; compilation happens in the untimed warm-up. Timings are
+medians of alternating runs in this one process. Memory is the peak live tensor memory of one
+forward at ``--mem-seq-len`` (profiler allocation records on CPU, ``max_memory_allocated`` on CUDA).
+Results go to ``benchmarks/results/core.json`` and ``core.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+import attnopt
+from attnopt.measure import peak_memory, time_alternating
+from attnopt.models import CausalSelfAttention, GPTConfig, SDPACausalSelfAttention
+
+VARIANTS = ("eager", "compile", "sdpa", "attnopt")
+MEM_VARIANTS = ("eager", "sdpa", "attnopt")
+TARGETS = {"attnopt_vs_sdpa_speed": (">=", 0.95), "attnopt_vs_compile_speed": (">=", 1.4),
+           "attnopt_vs_sdpa_memory": ("<=", 1.2)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 1024], help="sequence lengths to time")
+    p.add_argument("--mem-seq-len", type=int, default=4096, help="sequence length of the memory measurement")
+    p.add_argument("--repeats", type=int, default=20, help="timed rounds per T (each times every variant once)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds per T (compilation happens here)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-seq-len", type=int, default=1024, help="T at which the speed targets are checked")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help="directory for core.json and core.md")
+    return p.parse_args(argv)
+
+
+def build_blocks(device: str, seed: int) -> dict[str, torch.nn.Module]:
+    """One block per variant, all with the same weights (separate instances, so dynamo caches do not mix)."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_embd=768, n_head=12, block_size=4096, dropout=0.0)
+    eager = CausalSelfAttention(cfg).to(device).eval()
+    sdpa = SDPACausalSelfAttention(cfg).to(device).eval()
+    sdpa.load_state_dict(eager.state_dict())
+    return {"eager": eager, "compile": copy.deepcopy(eager), "sdpa": sdpa, "attnopt": copy.deepcopy(eager)}
+
+
+def make_fns(blocks: dict[str, torch.nn.Module]) -> dict[str, Callable[..., Any]]:
+    """Fresh callables: compiled variants rebuilt so they specialise to the next shape only."""
+    torch._dynamo.reset()
+    return {"eager": blocks["eager"], "compile": torch.compile(blocks["compile"]), "sdpa": blocks["sdpa"],
+            "attnopt": attnopt.optimize(blocks["attnopt"])}
+
+
+def first_call(fns: dict[str, Callable[..., Any]], x: torch.Tensor) -> tuple[dict[str, Any], dict[str, str]]:
+    """Call every variant once (compiling); outputs by name, and the variants that failed with why."""
+    outs, failed = {}, {}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            try:
+                outs[name] = fn(x)
+            except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print(f"  {name}: FAILED ({failed[name]})", flush=True)
+                continue
+            print(f"  {name}: first call {time.perf_counter() - start:.1f} s", flush=True)
+    return outs, failed
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def fmt(v: float | None, unit: str = "", digits: int = 2) -> str:
+    return "failed" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    blocks = build_blocks(args.device, args.seed)
+    timing_rows: list[dict[str, Any]] = []
+    for T in args.seq_lens:
+        print(f"T={T}: compiling and checking outputs", flush=True)
+        x = torch.randn(1, T, 768, device=args.device)
+        fns = make_fns(blocks)
+        outs, failed = first_call(fns, x)
+        ok = {n: f for n, f in fns.items() if n not in failed}
+        times = time_alternating(ok, (x,), repeats=args.repeats, warmup=args.warmup, progress=f"T={T}")
+        ref = outs["eager"]
+        diffs = {n: (outs[n] - ref).abs().max().item() for n in outs if n != "eager"}
+        timing_rows.append({"T": T, "ms": {n: times[n] * 1e3 if n in times else None for n in VARIANTS},
+                            "max_abs_diff_vs_eager": diffs, "failed": failed})
+        if "attnopt" not in failed:
+            report = attnopt.explain(fns["attnopt"])
+            timing_rows[-1]["attnopt_rewritten"] = report.rewritten
+            timing_rows[-1]["attnopt_sites"] = len(report.sites)
+    print(f"T={args.mem_seq_len}: peak memory of one forward", flush=True)
+    x = torch.randn(1, args.mem_seq_len, 768, device=args.device)
+    fns = make_fns(blocks)
+    memory = {n: peak_memory(fns[n], x) for n in MEM_VARIANTS}
+    return {"timing": timing_rows, "memory": {"T": args.mem_seq_len, "bytes": memory}}
+
+
+def summarise(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for row in res["timing"]:
+        ms = row["ms"]
+        row["attnopt_vs_sdpa_speed"] = ratio(ms["sdpa"], ms["attnopt"])
+        row["attnopt_vs_compile_speed"] = ratio(ms["compile"], ms["attnopt"])
+        row["attnopt_vs_eager_speed"] = ratio(ms["eager"], ms["attnopt"])
+    mem = res["memory"]["bytes"]
+    res["memory"]["attnopt_vs_sdpa_memory"] = ratio(mem["attnopt"], mem["sdpa"])
+    at = next((r for r in res["timing"] if r["T"] == args.target_seq_len), None)
+    values = {"attnopt_vs_sdpa_memory": res["memory"]["attnopt_vs_sdpa_memory"]}
+    if at is not None:
+        values["attnopt_vs_sdpa_speed"] = at["attnopt_vs_sdpa_speed"]
+        values["attnopt_vs_compile_speed"] = at["attnopt_vs_compile_speed"]
+    for key, (op, target) in TARGETS.items():
+        v = values.get(key)
+        met = None if v is None else (v >= target if op == ">=" else v <= target)
+        summary[key] = {"value": v, "target": f"{op} {target}", "met": met}
+    return summary
+
+
+def markdown(res: dict[str, Any], summary: dict[str, Any], args: argparse.Namespace) -> str:
+    rows = []
+    for r in res["timing"]:
+        ms, d = r["ms"], r["max_abs_diff_vs_eager"]
+        rows.append([r["T"], fmt(ms["eager"]), fmt(ms["compile"]), fmt(ms["sdpa"]), fmt(ms["attnopt"]),
+                     fmt(r["attnopt_vs_sdpa_speed"], "x"), fmt(r["attnopt_vs_compile_speed"], "x"),
+                     fmt(r["attnopt_vs_eager_speed"], "x"),
+                     " ".join(f"{n}={d[n]:.1e}" for n in ("compile", "sdpa", "attnopt") if n in d)])
+    timing = tabulate(rows, headers=["T", "eager ms", "compile ms", "SDPA ms", "attnopt ms", "attnopt vs SDPA",
+                                     "attnopt vs compile", "attnopt vs eager", "max abs diff vs eager"],
+                      tablefmt="github")
+    mem = res["memory"]
+    mrows = [[mem["T"], n, f"{mem['bytes'][n] / 2**20:.1f}"] for n in MEM_VARIANTS]
+    memory = tabulate(mrows, headers=["T", "variant", "peak live tensor MiB"], tablefmt="github")
+    trows = [[k, fmt(v["value"], "x", 3), v["target"], {True: "met", False: "MISSED", None: "n/a"}[v["met"]]]
+             for k, v in summary.items()]
+    targets = tabulate(trows, headers=["ratio", "measured", "target", ""], tablefmt="github")
+    failures = [f"- T={r['T']} {n}: {why}" for r in res["timing"] for n, why in r["failed"].items()]
+    env = res["env"]
+    parts = [f"# attnopt core benchmark\n\n`{env['command']}`\n",
+             f"torch {env['torch']}, attnopt {env['attnopt']}, {env['device']}, {env['threads']} threads, "
+             f"{env['cpu']}, B=1, fp32, eval, no_grad; median of {args.repeats} alternating runs "
+             f"after {args.warmup} warm-up rounds. 1-min load average {env['loadavg_1min']['before']:.2f} "
+             f"before, {env['loadavg_1min']['after']:.2f} after, on {env['cpu_count']} CPUs (other processes "
+             "share the CPUs when it is high).\n",
+             "## Time per forward\n", timing, "", "## Peak memory of one forward\n", memory, "",
+             f"## Targets (speed at T={args.target_seq_len}; ratio > 1 means attnopt is faster)\n", targets, ""]
+    if failures:
+        parts += ["## Failed variants\n", *failures, ""]
+    return "\n".join(parts)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python " + shlex.join(sys.argv if argv is None else [sys.argv[0], *argv])
+    print(f"command: {command}", flush=True)
+    load_before = os.getloadavg()[0]
+    res = run(args)
+    res["env"] = {"command": command, "torch": torch.__version__, "attnopt": attnopt.__version__,
+                  "device": args.device, "threads": torch.get_num_threads(),
+                  "cpu": cpu_name(), "python": platform.python_version(),
+                  "repeats": args.repeats, "warmup": args.warmup,
+                  "cpu_count": os.cpu_count(), "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]}}
+    summary = summarise(res, args)
+    res["targets"] = summary
+    md = markdown(res, summary, args)
+    print()
+    print(md)
+    write_atomic(args.out / "core.json", json.dumps(res, indent=2) + "\n")
+    write_atomic(args.out / "core.md", md)
+    print(f"wrote {args.out / 'core.json'} and {args.out / 'core.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
