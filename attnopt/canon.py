@@ -413,13 +413,14 @@ _METHODS: dict[str, Reader] = {
     "add": _scale_or_binary("add"), "__add__": _scale_or_binary("add"),
     "masked_fill": _masked_fill, "where": None,  # type: ignore[dict-item]  # x.where(cond, y) reorders args
     "softmax": _softmax,
-    "to": _cast, "float": _cast, "half": _cast, "bfloat16": _cast, "double": _cast, "type": _cast, "type_as": _cast,
+    "to": _cast, "float": _cast, "half": _cast, "bfloat16": _cast, "double": _cast, "bool": _cast,
+    "type": _cast, "type_as": _cast,
     "contiguous": _identity, "clone": _identity,
     "eq": _binary("eq"), "__eq__": _binary("eq"), "ne": _binary("ne"),
     "logical_not": _not, "bitwise_not": _not, "__invert__": _not,
     "tril": _tri("tril"), "triu": _tri("triu"),
     "view": _view, "reshape": _view, "unsqueeze": _view, "expand": _view,
-    "new_ones": _factory(None, 1), "new_full": _factory(1), "new_zeros": _factory(None, 0),
+    "new_ones": _factory(None, 1), "new_full": _factory(2), "new_zeros": _factory(None, 0),
 }
 _METHODS = {k: v for k, v in _METHODS.items() if v is not None}
 

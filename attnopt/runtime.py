@@ -9,7 +9,8 @@ run-time numbers). The module
   are unchanged (:class:`BufferGuard`), and the alignment matches SDPA's top-left causal
   mask (bottom-right masks only when ``Tq == Tk``); otherwise the mask tensor is passed,
 * applies dropout exactly when the original would (``nn.Dropout`` replaced: in training mode),
-* restores NaN rows where every key was masked with ``-inf`` (the original's result),
+* restores NaN rows where every key was masked with ``-inf`` (the original's result), and rows where every key holds the
+  dtype's minimum (uniform attention as written; see ``AttentionSpec.min_rows``),
 * calls the chosen candidate inside a ``record_function("attnopt::<site>")`` range, and
   falls back to the ``math`` candidate with a warning if the candidate raises.
 """
@@ -110,8 +111,19 @@ class AttentionSite(nn.Module):
         dropout_active = spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training)
         kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=scale,
                       dropout_p=p if dropout_active else 0.0, enable_gqa=spec.gqa)
+        min_rows = None
+        if spec.min_rows != "none" and not use_causal and mask is not None:
+            min_rows = (mask <= torch.finfo(mask.dtype).min / 2).all(-1, keepdim=True)
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            out = self._call(q, k, v, kwargs)
+            if spec.min_rows == "math" and min_rows is not None and bool(min_rows.any()):
+                out = get_candidate("math")(q, k, v, **kwargs)
+            else:
+                out = self._call(q, k, v, kwargs)
+        if spec.min_rows == "mean" and min_rows is not None:
+            v_mean = v.mean(-2, keepdim=True)  # (B, Hkv, 1, Dv)
+            if v_mean.size(-3) != out.size(-3):
+                v_mean = v_mean.repeat_interleave(out.size(-3) // v_mean.size(-3), dim=-3)
+            out = torch.where(min_rows, v_mean, out)
         if spec.nan_rows and not use_causal and mask is not None:
             if mask.dtype == torch.bool:
                 dead = ~mask.any(-1, keepdim=True)

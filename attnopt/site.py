@@ -39,6 +39,11 @@ class AttentionSpec:
         dropout_mode: ``"off"``, ``"on"`` (always active), or ``"module"`` (active when the
             rewritten module is in training mode, like the ``nn.Dropout`` it replaces).
         runtime_dropout: the dropout probability is a run-time number passed to the site.
+        min_rows: what to do with rows whose keys all carry the dtype's minimum (uniform
+            attention as written): ``"none"`` (cannot occur), ``"mean"`` (every key filled by
+            ``masked_fill``: the row is the mean of v and sends no gradient to q or k, as
+            written) or ``"math"`` (an added mask: run the reference computation for calls
+            that have such rows, since SDPA's fused backward loses the 1/Tk normalisation there).
         gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
             ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
@@ -58,12 +63,15 @@ class AttentionSpec:
     out_dtype: torch.dtype | None = None
     runtime_scale: bool = False
     runtime_dropout: bool = False
+    min_rows: str = "none"
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
             raise ValueError(f"mask must be 'none', 'bool' or 'additive', got {self.mask!r}")
         if self.causal not in (None, "top_left", "bottom_right"):
             raise ValueError(f"causal must be None, 'top_left' or 'bottom_right', got {self.causal!r}")
+        if self.min_rows not in ("none", "mean", "math"):
+            raise ValueError(f"min_rows must be 'none', 'mean' or 'math', got {self.min_rows!r}")
         if self.dropout_mode not in ("off", "on", "module"):
             raise ValueError(f"dropout_mode must be 'off', 'on' or 'module', got {self.dropout_mode!r}")
         if not (isinstance(self.scale, float) and math.isfinite(self.scale)):

@@ -325,3 +325,25 @@ def test_import_touches_no_device_and_site_module_prints_spec():
     new = attnopt.rewrite(gm, inputs)
     (site,) = _sites(new)
     assert "causal (top-left)" in repr(site)
+
+
+class AddedMask(nn.Module):
+    def forward(self, q, k, v, mask):
+        s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5 + mask
+        return torch.softmax(s, dim=-1) @ v
+
+
+def test_added_min_mask_rows_keep_gradients_of_the_original():
+    """A row whose added mask is all dtype-min is uniform as written; its gradients must match too."""
+    q, k, v = (torch.randn(2, 2, 6, 4, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 1, 6, 6)
+    mask[1, 0, 3] = torch.finfo(torch.float32).min  # query 3 of batch 1 sees every key as min
+    mask[0, 0, :, 4:] = torch.finfo(torch.float32).min
+    model = AddedMask()
+    opt = attnopt.optimize(model)
+    cot = torch.randn(2, 2, 6, 4)
+    ref = torch.autograd.grad((model(q, k, v, mask) * cot).sum(), (q, k, v))
+    out = torch.autograd.grad((opt(q, k, v, mask) * cot).sum(), (q, k, v))
+    assert attnopt.explain(opt).records[0].spec.min_rows == "math"
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -98,10 +98,18 @@ def _user_desc(n: fx.Node) -> str:
     return f"also used by `{n.name}`{where}"
 
 
+_METADATA_METHODS = ("new_full", "new_ones", "new_zeros", "new_empty")
+
+
 def _reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
-    """``x.type_as(node)``: ``node`` gives only its dtype, not its values (``softmax(s.float()).type_as(s)``)."""
-    return (user.op == "call_method" and user.target == "type_as" and len(user.args) == 2
-            and user.args[0] is not node and user.args[1] is node and not user.kwargs)
+    """``user`` reads only ``node``'s dtype/device, not its values: ``softmax(s.float()).type_as(s)``,
+    ``s + s.new_full((T, T), -inf).triu(1)``."""
+    if user.op != "call_method" or user.kwargs.get("out") is not None:
+        return False
+    if user.target == "type_as":
+        return len(user.args) == 2 and user.args[0] is not node and user.args[1] is node and not user.kwargs
+    return user.target in _METADATA_METHODS and user.args[0] is node and node not in user.args[1:] \
+        and node not in user.kwargs.values()
 
 
 def _only_user(node: fx.Node, what: str) -> fx.Node:
@@ -201,6 +209,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     post_spelling, record.spelling = record.spelling, []
     chain: list[tuple[str, Any]] = []  # collected backwards; reversed into program order below
     cur = scores_in
+    _only_user(scores_in, "attention scores")  # the softmax's own input: returned or stored elsewhere?
     product: fx.Node | None = None
     while product is None:
         op = read(cur, gm)
@@ -315,7 +324,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     spec = AttentionSpec(
         scale=float(scale), mask=plan.kind, causal=plan.causal, nan_rows=plan.nan_rows,
         dropout_p=float(dropout[0]) if dropout[1] != "off" and not runtime_p else 0.0, dropout_mode=dropout[1],
-        runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p,
+        runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
         gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
     )
     if plan.kind != "none":
@@ -357,17 +366,17 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         v = _scale_value(value)
         if v is None or not isinstance(cond, fx.Node):
             raise NearMiss(f"the masked_fill value `{value}` is not a number known at capture")
-        chain.append(("mask", Fill(cond, v)))
+        chain.append(("mask", Fill(cond, v, dtype=dtype_of(node))))
         record.spelling.append(op.spelling)
         return x
     if k == "where":
         cond, a, b = op.args
         if isinstance(a, fx.Node) and _same_shape(a, node) and _scale_value(b) is not None:
-            chain.append(("mask", Fill(cond, _scale_value(b), keep_when_true=True)))  # type: ignore[arg-type]
+            chain.append(("mask", Fill(cond, _scale_value(b), True, dtype_of(node))))  # type: ignore[arg-type]
             record.spelling.append("where")
             return a
         if isinstance(b, fx.Node) and _same_shape(b, node) and _scale_value(a) is not None:
-            chain.append(("mask", Fill(cond, _scale_value(a))))  # type: ignore[arg-type]
+            chain.append(("mask", Fill(cond, _scale_value(a), dtype=dtype_of(node))))  # type: ignore[arg-type]
             record.spelling.append("where")
             return b
         raise NearMiss("torch.where between product and softmax does not fill with a constant")

@@ -37,6 +37,7 @@ class Fill:
     cond: fx.Node
     value: float
     keep_when_true: bool = False
+    dtype: torch.dtype | None = None  # of the filled scores (a later cast may change the softmax input's)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class MaskPlan:
     causal: str | None = None
     nan_rows: bool = False
     guarded: list[fx.Node] = field(default_factory=list)  # buffers the causal proof read
+    min_rows: str = "none"  # see AttentionSpec.min_rows
     fill_spelling: str = ""
 
 
@@ -153,6 +155,8 @@ class BandReader:
             t = _get_attr(self.root, str(node.target))
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_meta:
             raise _Unknown
+        if t.requires_grad or getattr(meta_value(node), "requires_grad", False):
+            raise _Unknown  # is_causal would drop the gradient that reaches this tensor through the mask
         t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
         n, m = t2.shape
         if n < 1 or m < 2:
@@ -227,7 +231,7 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
         return MaskPlan("none")
     fills = [t for t in terms if isinstance(t, Fill)]
     for f in fills:
-        kind = _neg_large(f.value, score_dtype)
+        kind = _neg_large(f.value, f.dtype or score_dtype)
         if kind is None:
             return (f"the mask fills scores with {f.value!r}, which is neither -inf nor the dtype's minimum; "
                     "a rewrite would change rows where every key is masked")
@@ -251,7 +255,7 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
             else:
                 b = reader.band(t.mask)
                 ok = (b.below == 0 and isinstance(b.above, float)
-                      and _neg_large(b.above, score_dtype) is not None)
+                      and _neg_large(b.above, dtype_of(t.mask) or score_dtype) is not None)
             if ok and _same(b.rows, tq) and _same(b.cols, tk):
                 if _same(b.offset, 0):
                     plan.causal = "top_left"
@@ -266,4 +270,6 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
     has_inf = any(isinstance(t, Fill) and t.value == -math.inf for t in terms) or any(
         isinstance(t, Add) for t in terms)
     plan.nan_rows = has_inf and (plan.causal != "top_left" or bool(plan.guarded))
+    if plan.kind == "additive" and (plan.causal != "top_left" or plan.guarded):
+        plan.min_rows = "mean" if all(isinstance(t, Fill) for t in terms) else "math"
     return plan
