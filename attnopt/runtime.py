@@ -61,6 +61,8 @@ class BufferGuard:
         return cls(t.data_ptr(), t._version, t2[0, 0].item(), t2[0, 1].item())
 
     def holds(self, t: torch.Tensor) -> bool:
+        if t.requires_grad:
+            return False  # is_causal would drop the gradient that reaches this tensor through the mask
         if t.data_ptr() == self.data_ptr and t._version == self.version:
             return True
         t2 = t.detach().reshape(t.shape[-2], t.shape[-1])

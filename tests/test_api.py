@@ -347,3 +347,16 @@ def test_added_min_mask_rows_keep_gradients_of_the_original():
     assert attnopt.explain(opt).records[0].spec.min_rows == "math"
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+class UpcastFill(nn.Module):
+    def forward(self, q, k, v, keep):
+        s = (q @ k.transpose(-2, -1)).float().masked_fill(~keep, torch.finfo(torch.float32).min)
+        return torch.softmax(s, dim=-1).to(q.dtype) @ v
+
+
+def test_fill_with_a_minimum_that_q_dtype_cannot_hold_is_left_alone():
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.rand(1, 1, 4, 4) > 0.5
+    report = attnopt.explain(UpcastFill(), q, k, v, keep)
+    assert report.rewritten == 0 and "float32 minimum" in report.records[0].reason

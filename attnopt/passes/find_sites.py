@@ -318,6 +318,11 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     q_dtype, k_dtype, v_dtype = dtype_of(q), dtype_of(k if k is not None else k_t), dtype_of(v)
     if q_dtype != k_dtype or q_dtype is None or not q_dtype.is_floating_point:
         raise NearMiss(f"q and k have dtypes {q_dtype} and {k_dtype}")
+    if plan.kind == "additive":
+        for t in masks:
+            if isinstance(t, Fill) and t.value != -math.inf and t.dtype != q_dtype:
+                raise NearMiss(f"the scores are filled with the {t.dtype} minimum but SDPA adds masks in "
+                               f"{q_dtype}, where that value does not exist")
     if v_dtype is None or not v_dtype.is_floating_point:
         raise NearMiss(f"v has dtype {v_dtype}")
     runtime_p = dropout[1] != "off" and not isinstance(dropout[0], (int, float))

@@ -1,0 +1,50 @@
+"""Shared test setup: hypothesis profiles, a fresh dynamo per test, a fixed torch seed per test.
+
+Profiles: ``ci`` (deterministic, ~25 examples per property; the default and whenever ``CI`` is
+set) and ``dev`` (more, random examples): ``ATTNOPT_HYPOTHESIS=dev pytest tests/test_properties.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, max_examples=25, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev", deadline=None, max_examples=200, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("dev" if os.environ.get("ATTNOPT_HYPOTHESIS") == "dev" else "ci")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_and_seed(request: pytest.FixtureRequest):
+    """Dynamo stops capturing a forward after its recompile limit; every test starts from zero.
+
+    The seed is derived from the test id, so a test's random tensors do not depend on which
+    tests ran before it.
+    """
+    torch._dynamo.reset()
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield
+    torch._dynamo.reset()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    """Report how many distinct spelling combinations the property tests exercised."""
+    mod = sys.modules.get("test_properties") or sys.modules.get("tests.test_properties")
+    exercised = getattr(mod, "EXERCISED", None)
+    if exercised:
+        terminalreporter.write_sep("-", "attnopt property tests")
+        for name, combos in sorted(exercised.items()):
+            terminalreporter.write_line(f"{name}: {len(combos)} distinct combinations of spelling axes")
+        total = set().union(*exercised.values())
+        terminalreporter.write_line(f"all property tests: {len(total)} distinct combinations")

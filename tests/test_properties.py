@@ -1,0 +1,524 @@
+"""Property tests over the spelling grammar (attention-spellings.md, sections A-E).
+
+A hypothesis strategy draws one choice on every axis (score product, scale, mask, softmax,
+dropout, head split/merge, layout, GQA, cross-attention, dtype, train/eval) and builds an
+``nn.Module`` whose ``forward`` is written in exactly those spellings. For each module:
+
+* the site is rewritten (one site, zero near misses);
+* outputs equal the original's (eval), gradients w.r.t. inputs and parameters too;
+* in training mode dropout p>0 is applied, p=0 changes nothing;
+* rewriting the rewritten graph finds nothing and changes nothing.
+
+Most examples run on the FX graph dynamo captures (``attnopt.rewrite(gm, example_inputs)``);
+a few go end to end through ``attnopt.optimize``. ``EXERCISED`` collects the axis choices seen;
+the run's summary prints how many distinct combinations were exercised.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from dataclasses import astuple, dataclass, fields
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnopt
+
+EXERCISED: dict[str, set[tuple]] = defaultdict(set)
+
+CAUSAL_MASKS = ("tril_float_eq0", "bool_where", "bool_fill_not", "runtime_ones_tril", "runtime_full_triu")
+PADDING_MASKS = ("arg_add_row", "arg_add_full", "arg_fill_min")
+
+QK_EINSUM = {
+    4: ("bhqd,bhkd->bhqk", "b h i d, b h j d -> b h i j", "zyad,zycd->zyac", "...id,...jd->...ij",
+        "bhqd,bhdk->bhqk"),
+    3: ("bqd,bkd->bqk", "b i d, b j d -> b i j", "nxe,nye->nxy", "bqd,bdk->bqk"),
+}
+PV_EINSUM = {4: ("bhqk,bhkd->bhqd", "b h i j, b h j d -> b h i d"), 3: ("bqk,bkd->bqd", "n i j, n j e -> n i e")}
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """One point of the grammar: every axis of how attention is written."""
+
+    layout: str  # "4d" [B, H, T, D] or "3d" [B*H, T, D]
+    product: str  # "at" | "matmul" | "method" | "bmm" | "einsum"
+    einsum_eq: str
+    kt: str  # "t_neg" (-2, -1) | "t_pos" | "t_rev" | "permute" (K pre-transposed by the head split)
+    pv: str  # "at" | "matmul" | "method" | "bmm" | "einsum"
+    pv_eq: str
+    scale: str  # "mul" | "div" | "pow" | "full0d" | "on_q" | "none"
+    custom_scale: bool
+    mask: str
+    causal_align: str  # "top_left" | "bottom_right" (only when Tq != Tk)
+    softmax: str  # "F" | "F_dim_pos" | "torch" | "method" | "module" | "dtype_f32" | "float_type_as"
+    dropout: str  # "module" | "functional" | "none"
+    p: float
+    split: str  # "view_transpose" | "permute" | "reshape_transpose"
+    merge: str  # "transpose_contiguous_view" | "reshape" | "flatten"
+    n_rep: int  # GQA group size, 1 = plain MHA
+    attn: str  # "self" | "cross" | "decode"
+    dtype: str  # "fp32" | "bf16"
+    B: int
+    H: int
+    Tq: int
+    Tk: int
+    D: int
+
+    def axes(self) -> tuple:
+        """The spelling choices, without sizes (what counts as a distinct combination)."""
+        skip = {"B", "H", "Tq", "Tk", "D"}
+        return tuple(v for f, v in zip(fields(self), astuple(self)) if f.name not in skip)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == "fp32" else torch.bfloat16
+
+
+@st.composite
+def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Spelling:
+    layout = draw(st.sampled_from(["4d", "3d"]))
+    nd = 4 if layout == "4d" else 3
+    product = draw(st.sampled_from(["at", "matmul", "method", "einsum"] + (["bmm"] if nd == 3 else [])))
+    pv = draw(st.sampled_from(["at", "matmul", "method", "einsum"] + (["bmm"] if nd == 3 else [])))
+    einsum_eq = draw(st.sampled_from(QK_EINSUM[nd])) if product == "einsum" else ""
+    pv_eq = draw(st.sampled_from(PV_EINSUM[nd])) if pv == "einsum" else ""
+    n_rep = draw(st.sampled_from([1, 2])) if nd == 4 else 1
+    kt_choices = ["t_neg", "t_pos", "t_rev"] + (["permute"] if nd == 4 and n_rep == 1 else [])
+    kt = draw(st.sampled_from(kt_choices)) if product != "einsum" else ""
+    attn = draw(st.sampled_from(["self", "cross", "decode"]))
+    T = draw(st.integers(2, 12))
+    if attn == "self":
+        Tq = Tk = T
+    else:
+        Tq = draw(st.integers(1, T - 1)) if T > 1 else 1
+        Tk = T if attn == "decode" else draw(st.sampled_from([T, max(1, Tq - 1) if Tq > 1 else T]))
+        if Tq == Tk:
+            Tk = Tq + 1
+    masks = ["none", *PADDING_MASKS] + (list(CAUSAL_MASKS) if attn != "cross" else [])
+    mask = draw(st.sampled_from(masks))
+    causal_align = draw(st.sampled_from(["top_left", "bottom_right"])) if (mask in CAUSAL_MASKS and Tq != Tk) \
+        else "top_left"
+    scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none"]))
+    custom_scale = draw(st.booleans()) if scale in ("mul", "div", "full0d", "on_q") else False
+    softmax = draw(st.sampled_from(["F", "F_dim_pos", "torch", "method", "module", "dtype_f32", "float_type_as"]))
+    dropout = draw(st.sampled_from(["module", "functional", "none"]))
+    p = draw(st.sampled_from([0.0, 0.25])) if dropout != "none" else 0.0
+    split = draw(st.sampled_from(["view_transpose", "permute", "reshape_transpose"]))
+    merge = draw(st.sampled_from(["transpose_contiguous_view", "reshape", "flatten"]))
+    H = draw(st.sampled_from([2, 4])) if n_rep == 2 else draw(st.integers(1, 4))
+    return Spelling(
+        layout=layout, product=product, einsum_eq=einsum_eq, kt=kt, pv=pv, pv_eq=pv_eq, scale=scale,
+        custom_scale=custom_scale, mask=mask, causal_align=causal_align, softmax=softmax, dropout=dropout, p=p,
+        split=split, merge=merge, n_rep=n_rep, attn=attn, dtype=draw(st.sampled_from(dtypes)),
+        B=draw(st.integers(1, 2)), H=H, Tq=Tq, Tk=Tk, D=draw(st.sampled_from([4, 8])),
+    )
+
+
+class GrammarAttention(nn.Module):
+    """Attention written in the spellings ``s`` names; ``forward(x, kv, mask)``.
+
+    ``x``: (B, Tq, C) queries' input; ``kv``: (B, Tk, C) keys'/values' input (``x`` itself for
+    self-attention); ``mask``: the padding mask argument for the ``arg_*`` masks, else unused.
+    """
+
+    def __init__(self, s: Spelling):
+        super().__init__()
+        self.s = s
+        c = s.H * s.D
+        hkv = s.H // s.n_rep
+        self.q_proj = nn.Linear(c, c)
+        self.k_proj = nn.Linear(c, hkv * s.D)
+        self.v_proj = nn.Linear(c, hkv * s.D)
+        self.o_proj = nn.Linear(c, c)
+        self.scale_value = 0.37 if s.custom_scale else 1.0 / math.sqrt(s.D)
+        n = max(s.Tq, s.Tk)
+        lead = (1, 1) if s.layout == "4d" else (1,)
+        if s.mask == "tril_float_eq0":
+            self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(*lead, n, n))
+        elif s.mask in ("bool_where", "bool_fill_not"):
+            self.register_buffer("bias", torch.ones(n, n, dtype=torch.bool).tril().view(*lead, n, n))
+        if s.softmax == "module":
+            self.softmax = nn.Softmax(dim=-1)
+        if s.dropout == "module":
+            self.attn_dropout = nn.Dropout(s.p)
+
+    # ---- heads
+    def _split(self, t: torch.Tensor, heads: int, kind: str = "") -> torch.Tensor:
+        s = self.s
+        B, T, _ = t.shape
+        if kind == "kt_permute":
+            return t.view(B, T, heads, s.D).permute(0, 2, 3, 1)  # (B, H, D, T)
+        if s.split == "view_transpose":
+            return t.view(B, T, heads, s.D).transpose(1, 2)
+        if s.split == "permute":
+            return t.view(B, T, heads, s.D).permute(0, 2, 1, 3)
+        return t.reshape(B, T, heads, s.D).transpose(1, 2)
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        n = self.s.n_rep
+        if n == 1:
+            return t
+        B, hkv, T, D = t.shape
+        return t[:, :, None, :, :].expand(B, hkv, n, T, D).reshape(B, hkv * n, T, D)
+
+    def _merge(self, y: torch.Tensor) -> torch.Tensor:  # (B, H, Tq, D) -> (B, Tq, C)
+        B, H, T, D = y.shape
+        if self.s.merge == "transpose_contiguous_view":
+            return y.transpose(1, 2).contiguous().view(B, T, H * D)
+        if self.s.merge == "reshape":
+            return y.transpose(1, 2).reshape(B, T, H * D)
+        return y.transpose(1, 2).flatten(2)
+
+    # ---- the attention itself
+    def _kt(self, k: torch.Tensor) -> torch.Tensor:
+        kt = self.s.kt
+        if kt == "permute":
+            return k  # already (.., D, Tk)
+        nd = k.dim()
+        if kt == "t_neg":
+            return k.transpose(-2, -1)
+        if kt == "t_pos":
+            return k.transpose(nd - 2, nd - 1)
+        return k.transpose(nd - 1, nd - 2)
+
+    def _scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        if s.product == "einsum":
+            if s.einsum_eq.replace(" ", "").split("->")[0].split(",")[1].endswith("dk"):  # K pre-transposed
+                return torch.einsum(s.einsum_eq, q, k.transpose(-2, -1))
+            return torch.einsum(s.einsum_eq, q, k)
+        kt = self._kt(k)
+        if s.product == "at":
+            return q @ kt
+        if s.product == "matmul":
+            return torch.matmul(q, kt)
+        if s.product == "method":
+            return q.matmul(kt)
+        return torch.bmm(q, kt)
+
+    def _pv(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        if s.pv == "einsum":
+            return torch.einsum(s.pv_eq, p, v)
+        if s.pv == "at":
+            return p @ v
+        if s.pv == "matmul":
+            return torch.matmul(p, v)
+        if s.pv == "method":
+            return p.matmul(v)
+        return torch.bmm(p, v)
+
+    def _scale(self, att: torch.Tensor) -> torch.Tensor:
+        s, c = self.s, self.scale_value
+        if s.scale == "mul":
+            return att * c if s.custom_scale else att * (1.0 / math.sqrt(s.D))
+        if s.scale == "div":
+            return att / (1.0 / c) if s.custom_scale else att / math.sqrt(s.D)
+        if s.scale == "pow":
+            return att * s.D ** -0.5
+        if s.scale == "full0d":
+            return att / torch.full([], 1.0 / c if s.custom_scale else s.D ** 0.5)
+        return att
+
+    def _mask(self, att: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        s = self.s
+        tq, tk = att.shape[-2], att.shape[-1]
+        r0 = tk - tq if s.causal_align == "bottom_right" else 0
+        if s.mask == "tril_float_eq0":
+            return att.masked_fill(self.bias[..., r0:r0 + tq, :tk] == 0, float("-inf"))
+        if s.mask == "bool_where":
+            return torch.where(self.bias[..., r0:r0 + tq, :tk], att, float("-inf"))
+        if s.mask == "bool_fill_not":
+            return att.masked_fill(~self.bias[..., r0:r0 + tq, :tk], float("-inf"))
+        if s.mask == "runtime_ones_tril":
+            keep = torch.ones(tq, tk, dtype=torch.bool, device=att.device).tril(r0)
+            return att.masked_fill(~keep, float("-inf"))
+        if s.mask == "runtime_full_triu":
+            return att + torch.full((tq, tk), float("-inf"), dtype=att.dtype, device=att.device).triu(r0 + 1)
+        if s.mask in ("arg_add_row", "arg_add_full"):
+            return att + mask
+        if s.mask == "arg_fill_min":
+            return att.masked_fill(mask, torch.finfo(att.dtype).min)
+        return att
+
+    def _softmax(self, att: torch.Tensor) -> torch.Tensor:
+        kind = self.s.softmax
+        if kind == "F":
+            return F.softmax(att, dim=-1)
+        if kind == "F_dim_pos":
+            return F.softmax(att, dim=att.dim() - 1)
+        if kind == "torch":
+            return torch.softmax(att, -1)
+        if kind == "method":
+            return att.softmax(-1)
+        if kind == "module":
+            return self.softmax(att)
+        if kind == "dtype_f32":
+            return F.softmax(att, dim=-1, dtype=torch.float32).to(att.dtype)
+        return F.softmax(att.float(), -1).type_as(att)
+
+    def _dropout(self, p: torch.Tensor) -> torch.Tensor:
+        if self.s.dropout == "module":
+            return self.attn_dropout(p)
+        if self.s.dropout == "functional":
+            return F.dropout(p, self.s.p, training=self.training)
+        return p
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.s
+        B, Tq, C = x.shape
+        hkv = s.H // s.n_rep
+        q = self._split(self.q_proj(x), s.H)  # (B, H, Tq, D)
+        k = self._split(self.k_proj(kv), hkv, "kt_permute" if s.kt == "permute" else "")  # (B, Hkv, Tk, D)
+        v = self._split(self.v_proj(kv), hkv)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        if s.scale == "on_q":
+            q = q * self.scale_value
+        if s.layout == "3d":
+            q = q.reshape(B * s.H, Tq, s.D)
+            k = k.reshape(B * s.H, *k.shape[2:])
+            v = v.reshape(B * s.H, *v.shape[2:])
+        att = self._scores(q, k)  # (.., Tq, Tk)
+        att = self._scale(att)
+        att = self._mask(att, mask)
+        att = self._softmax(att)
+        att = self._dropout(att)
+        y = self._pv(att, v)  # (.., Tq, D)
+        y = y.reshape(B, s.H, Tq, s.D)
+        return self.o_proj(self._merge(y))
+
+
+def make_case(s: Spelling) -> tuple[GrammarAttention, tuple[torch.Tensor, ...]]:
+    """The module (in the spelling's dtype) and its inputs ``(x, kv, mask)``; seeded by the spelling."""
+    torch.manual_seed(zlib.crc32(repr(s).encode()))  # the same example gives the same tensors when replayed
+    dtype = s.torch_dtype
+    model = GrammarAttention(s).to(dtype)
+    c = s.H * s.D
+    x = torch.randn(s.B, s.Tq, c, dtype=dtype)
+    kv = x if s.attn == "self" else torch.randn(s.B, s.Tk, c, dtype=dtype)
+    nb = s.B if s.layout == "4d" else s.B * s.H
+    lead = (nb, 1) if s.layout == "4d" else (nb,)
+    rows = 1 if s.mask in ("arg_add_row", "arg_fill_min") else s.Tq
+    masked = torch.rand(*lead, rows, s.Tk) < 0.4
+    masked[..., 0] = False  # key 0 is always visible: no fully masked rows here (see test_negative)
+    if s.mask in ("arg_add_row", "arg_add_full"):
+        mask = torch.zeros(masked.shape, dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
+        mask.requires_grad_(True)  # gradients must reach an additive mask; the capture sees that it wants them
+    else:
+        mask = masked
+    return model, (x, kv, mask)
+
+
+def capture(model: nn.Module, inputs: tuple) -> tuple[torch.fx.GraphModule, list]:
+    """The FX graph and example inputs dynamo hands a backend for ``model(*inputs)``."""
+    store: dict = {}
+
+    def backend(gm, example_inputs):
+        store["gm"], store["ex"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    return store["gm"], store["ex"]
+
+
+def tol(s: Spelling) -> dict:
+    return dict(atol=1e-5, rtol=1e-4) if s.dtype == "fp32" else dict(atol=2e-2, rtol=2e-2)
+
+
+def assert_rewritten_once(gm: torch.fx.GraphModule) -> None:
+    report = gm.meta["attnopt_report"]
+    assert report.rewritten == 1, str(report)
+    assert len(report.records) == 1, str(report)
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("attnopt_")]
+    assert len(calls) == 1, gm.code
+    assert not any(n.target in (F.softmax, torch.softmax) or n.target == "softmax" for n in gm.graph.nodes), gm.code
+
+
+def grads(fn, args: list, cotangent: torch.Tensor | None = None) -> tuple[torch.Tensor, list, torch.Tensor]:
+    leaves = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+              else a for a in args]
+    out = fn(*leaves)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    cot = torch.randn_like(out) if cotangent is None else cotangent
+    wrt = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+    gs = torch.autograd.grad((out.float() * cot.float()).sum(), wrt, allow_unused=True)
+    return out.detach(), [g if g is not None else torch.zeros_like(w) for g, w in zip(gs, wrt)], cot
+
+
+def assert_grad_close(a: torch.Tensor, b: torch.Tensor, s: Spelling, what: str, scale: float) -> None:
+    """fp32: elementwise. bf16: the whole gradient within 5% (relative norm) plus a floor of 1% of the
+    largest gradient (``scale``), since both sides round every intermediate to 8 bits: a gradient that is
+    zero in exact arithmetic (k's bias: softmax ignores a per-row constant) is rounding noise there."""
+    if s.dtype == "fp32":
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3, msg=what)
+        return
+    a, b = a.double(), b.double()
+    err, ref = (a - b).norm().item(), b.norm().item()
+    assert err <= 5e-2 * ref + 1e-2 * scale, f"{what}: error {err:.3g}, norm {ref:.3g}, largest norm {scale:.3g}"
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+# ----------------------------------------------------------------------------- eval: outputs, grads, idempotence
+
+
+@given(s=spellings())
+@settings(max_examples=settings().max_examples * 10)
+def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
+    EXERCISED["fx eval"].add(s.axes())
+    model, inputs = make_case(s)
+    model.eval()
+    gm, ex = capture(model, inputs)
+    new = attnopt.rewrite(gm, ex)
+    assert_rewritten_once(new)
+    spec = new.meta["attnopt_report"].records[0].spec
+    assert spec.dropout_p == 0.0 or spec.dropout_mode != "on"
+    if s.mask in CAUSAL_MASKS:
+        assert spec.causal == s.causal_align, f"{s.mask} {s.causal_align}: {spec.describe()}"
+    if s.n_rep > 1:
+        assert spec.gqa, spec.describe()
+
+    with torch.no_grad():
+        expected = first(model(*inputs))
+        assert torch.equal(first(gm(*ex)), expected)
+        actual = first(new(*ex))
+    torch.testing.assert_close(actual, expected, **tol(s))
+
+    # gradients w.r.t. the inputs and the parameters (lifted into the graph's inputs by dynamo)
+    ref_out, ref_g, cot = grads(gm, ex)
+    new_out, new_g, _ = grads(new, ex, cot)
+    torch.testing.assert_close(new_out, ref_out, **tol(s))
+    assert len(ref_g) == len(new_g) >= 9  # x (kv), 8 projection parameters, maybe a float mask
+    scale = max(g.double().norm().item() for g in ref_g)
+    for i, (a, b) in enumerate(zip(new_g, ref_g)):
+        assert_grad_close(a, b, s, f"gradient of graph input {i}", scale)
+
+    # idempotence: a rewritten graph has no site left and is left exactly as it is
+    again = attnopt.rewrite(new, ex)
+    assert again.meta["attnopt_report"].rewritten == 0
+    assert len(again.meta["attnopt_report"].records) == 0
+    assert again.code == new.code
+
+
+# ----------------------------------------------------------------------------- train mode: dropout
+
+
+@given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.dropout != "none"))
+@settings(max_examples=settings().max_examples * 2)
+def test_grammar_train_dropout(s: Spelling) -> None:
+    EXERCISED["fx train"].add(s.axes())
+    model, inputs = make_case(s)
+    with torch.no_grad():
+        eval_out = first(model.eval()(*inputs))
+    model.train()
+    gm, ex = capture(model, inputs)
+    new = attnopt.rewrite(gm, ex)
+    assert_rewritten_once(new)
+    spec = new.meta["attnopt_report"].records[0].spec
+    with torch.no_grad():
+        train_out = first(new(*ex))
+    assert torch.isfinite(train_out).all()
+    if s.p > 0:
+        assert spec.dropout_p == s.p and spec.dropout_mode != "off", spec.describe()
+        # Tk == 1 leaves nothing to drop but the single key itself; p=0.25 drops some of B*H*Tq*Tk probabilities
+        assert not torch.allclose(train_out, eval_out, atol=1e-4), "dropout was not applied in training mode"
+        outs = {first(new(*ex)).sum().item() for _ in range(3)}
+        assert len(outs) > 1, "dropout draws the same mask every call"
+    else:
+        assert spec.dropout_p == 0.0
+        torch.testing.assert_close(train_out, eval_out, **tol(s))
+
+
+# ----------------------------------------------------------------------------- end to end through optimize()
+
+
+@given(s=spellings(dtypes=("fp32",)))
+@settings(max_examples=8)
+def test_grammar_end_to_end_optimize(s: Spelling) -> None:
+    EXERCISED["optimize e2e"].add(s.axes())
+    torch._dynamo.reset()
+    model, inputs = make_case(s)
+    model.eval()
+    opt = attnopt.optimize(model)
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = first(opt(*leaves))
+    report = attnopt.explain(opt)
+    assert report.rewritten == 1, str(report)
+    ref_leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ref = first(model(*ref_leaves))
+    torch.testing.assert_close(out, ref, **tol(s))
+    cot = torch.randn_like(ref)
+    (out * cot).sum().backward()
+    (ref * cot).sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        if a.requires_grad:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3)
+    for (name, p), (_, p_opt) in zip(model.named_parameters(), opt.named_parameters()):
+        assert p is p_opt, name  # same parameters: the grads above accumulated into both runs
+
+
+def test_end_to_end_parameter_grads_match() -> None:
+    """optimize() shares the parameters; their gradients equal those of the original model."""
+    s = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv_eq="", scale="mul",
+                 custom_scale=False, mask="tril_float_eq0", causal_align="top_left", softmax="F",
+                 dropout="module", p=0.1, split="view_transpose", merge="transpose_contiguous_view", n_rep=2,
+                 attn="self", dtype="fp32", B=2, H=4, Tq=7, Tk=7, D=8)
+    model, inputs = make_case(s)
+    model.eval()
+    opt = attnopt.optimize(model)
+    cot = torch.randn(2, 7, 32)
+    (first(model(*inputs)) * cot).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    (first(opt(*inputs)) * cot).sum().backward()
+    assert attnopt.explain(opt).rewritten == 1
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_single_query_decode(align: str) -> None:
+    """Tq == 1 against a longer key sequence with a sliced causal buffer: exact either way."""
+    s = Spelling(layout="4d", product="matmul", einsum_eq="", kt="t_pos", pv="matmul", pv_eq="", scale="div",
+                 custom_scale=False, mask="tril_float_eq0", causal_align=align, softmax="F", dropout="none",
+                 p=0.0, split="view_transpose", merge="transpose_contiguous_view", n_rep=1, attn="decode",
+                 dtype="fp32", B=2, H=2, Tq=1, Tk=9, D=8)
+    model, inputs = make_case(s)
+    model.eval()
+    gm, ex = capture(model, inputs)
+    new = attnopt.rewrite(gm, ex)
+    assert_rewritten_once(new)
+    assert new.meta["attnopt_report"].records[0].spec.causal == align
+    with torch.no_grad():
+        torch.testing.assert_close(first(new(*ex)), first(model(*inputs)), atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- fixed regressions, named
+
+BASE = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv_eq="", scale="mul",
+                custom_scale=False, mask="none", causal_align="top_left", softmax="F", dropout="none", p=0.0,
+                split="view_transpose", merge="transpose_contiguous_view", n_rep=1, attn="self", dtype="fp32",
+                B=1, H=1, Tq=2, Tk=2, D=4)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(softmax="float_type_as"),  # `.type_as(s)` reads only the scores' dtype: not a second user
+    dict(softmax="float_type_as", mask="arg_fill_min", dtype="bf16"),  # bf16 min filled before the fp32 cast
+    dict(mask="runtime_ones_tril"),  # ones(dtype=bool).tril() is a bool band, `~` of it too
+    dict(mask="arg_add_full", dtype="bf16"),  # gradients reach an additive input mask
+    dict(mask="runtime_full_triu", attn="decode", Tq=1, Tk=5, causal_align="bottom_right"),
+], ids=["type_as", "bf16_min_then_float", "bool_ones_tril", "grad_to_input_mask", "decode_triu"])
+def test_named_regressions(changes: dict) -> None:
+    from dataclasses import replace
+
+    test_grammar_eval_outputs_grads_idempotent.hypothesis.inner_test(replace(BASE, **changes))
