@@ -22,7 +22,7 @@ import torch.fx as fx
 from .config import OptimizeConfig
 from .pipeline import run_pipeline
 from .report import Report
-from .runtime import AttentionSite
+from .runtime import GUARDED_ARGS_START, AttentionSite
 
 log = logging.getLogger("attnopt")
 
@@ -84,7 +84,7 @@ def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:
             continue
         mod = gm.get_submodule(str(node.target))
         if isinstance(mod, AttentionSite) and mod.guards:
-            for g, arg in zip(mod.guards, node.args[6:]):
+            for g, arg in zip(mod.guards, node.args[GUARDED_ARGS_START:]):
                 if arg in placeholders:
                     out.append((placeholders[arg], g))
     return out

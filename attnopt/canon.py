@@ -87,6 +87,14 @@ def dtype_of(node: Any) -> torch.dtype | None:
     return getattr(v, "dtype", None)
 
 
+def attr_value(root: torch.nn.Module, target: str) -> Any:
+    """The object a ``get_attr`` node with ``target`` reads from ``root`` (None if missing)."""
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def is_tensor_node(node: Any) -> bool:
     return isinstance(node, fx.Node) and shape_of(node) is not None
 
@@ -411,7 +419,7 @@ _METHODS: dict[str, Reader] = {
     "mul": _scale_or_binary("mul"), "__mul__": _scale_or_binary("mul"),
     "div": _scale_or_binary("div"), "true_divide": _scale_or_binary("div"), "__truediv__": _scale_or_binary("div"),
     "add": _scale_or_binary("add"), "__add__": _scale_or_binary("add"),
-    "masked_fill": _masked_fill, "where": None,  # type: ignore[dict-item]  # x.where(cond, y) reorders args
+    "masked_fill": _masked_fill,  # not "where": x.where(cond, y) means where(cond, x, y)
     "softmax": _softmax,
     "to": _cast, "float": _cast, "half": _cast, "bfloat16": _cast, "double": _cast, "bool": _cast,
     "type": _cast, "type_as": _cast,
@@ -422,7 +430,6 @@ _METHODS: dict[str, Reader] = {
     "view": _view, "reshape": _view, "unsqueeze": _view, "expand": _view,
     "new_ones": _factory(None, 1), "new_full": _factory(2), "new_zeros": _factory(None, 0),
 }
-_METHODS = {k: v for k, v in _METHODS.items() if v is not None}
 
 _MODULES: dict[type, Reader] = {
     torch.nn.Softmax: _softmax_module,

@@ -23,22 +23,29 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .candidates import get_candidate
 from .site import AttentionSpec
 
 log = logging.getLogger("attnopt")
 
+#: ``AttentionSite`` call arguments: (q, k, v, mask, scale, dropout_p, *guarded buffers).
+GUARDED_ARGS_START = 6
+
 
 def _tracing(t: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch._subclasses.functional_tensor import FunctionalTensor
-    except ImportError:  # pragma: no cover - older torch
-        return False
-    return isinstance(t, (FakeTensor, FunctionalTensor))
+    return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def is_lower_pattern(t: torch.Tensor, below: float, above: float) -> bool:
+    """``t``'s last two dims hold ``below`` on and under the diagonal, ``above`` over it (leading dims 1)."""
+    t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
+    lower = torch.ones_like(t2, dtype=torch.bool).tril()
+    expected = torch.where(lower, torch.tensor(below, dtype=t2.dtype, device=t2.device),
+                           torch.tensor(above, dtype=t2.dtype, device=t2.device))
+    return bool(torch.equal(t2, expected))
 
 
 @dataclass
@@ -65,11 +72,7 @@ class BufferGuard:
             return False  # is_causal would drop the gradient that reaches this tensor through the mask
         if t.data_ptr() == self.data_ptr and t._version == self.version:
             return True
-        t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
-        lower = torch.ones_like(t2, dtype=torch.bool).tril()
-        expected = torch.where(lower, torch.tensor(self.below, dtype=t2.dtype, device=t2.device),
-                               torch.tensor(self.above, dtype=t2.dtype, device=t2.device))
-        ok = bool(torch.equal(t2, expected))
+        ok = is_lower_pattern(t, self.below, self.above)
         if ok:
             self.data_ptr, self.version = t.data_ptr(), t._version
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import operator
 import warnings
 
 import pytest
@@ -360,3 +361,23 @@ def test_fill_with_a_minimum_that_q_dtype_cannot_hold_is_left_alone():
     keep = torch.rand(1, 1, 4, 4) > 0.5
     report = attnopt.explain(UpcastFill(), q, k, v, keep)
     assert report.rewritten == 0 and "float32 minimum" in report.records[0].reason
+
+
+class NewFullMask(nn.Module):
+    """A run-time mask built with ``scores.new_full``: the scores lend only their dtype and device."""
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5
+        t = s.size(-1)
+        s = s + s.new_full((t, t), float("-inf")).triu(2)  # offset 2: not causal, passed as a mask
+        return s.softmax(-1) @ v
+
+
+def test_mask_built_from_scores_metadata_does_not_keep_the_product():
+    q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
+    gm, inputs = _capture(NewFullMask(), q, k, v)
+    new = attnopt.rewrite(gm, inputs)
+    assert attnopt.explain(new).rewritten == 1
+    products = [n for n in new.graph.nodes if n.target in (operator.matmul, torch.matmul)]
+    assert products == [], new.code  # q @ k^T is gone; new_full reads q's dtype instead
+    torch.testing.assert_close(new(*inputs)[0], NewFullMask()(q, k, v), atol=1e-5, rtol=1e-5)

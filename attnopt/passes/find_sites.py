@@ -101,7 +101,7 @@ def _user_desc(n: fx.Node) -> str:
 _METADATA_METHODS = ("new_full", "new_ones", "new_zeros", "new_empty")
 
 
-def _reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
+def reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
     """``user`` reads only ``node``'s dtype/device, not its values: ``softmax(s.float()).type_as(s)``,
     ``s + s.new_full((T, T), -inf).triu(1)``."""
     if user.op != "call_method" or user.kwargs.get("out") is not None:
@@ -113,7 +113,7 @@ def _reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
 
 
 def _only_user(node: fx.Node, what: str) -> fx.Node:
-    users = [u for u in node.users if not _reads_only_dtype(u, node)]
+    users = [u for u in node.users if not reads_only_dtype(u, node)]
     if len(users) != 1:
         others = ", ".join(_user_desc(u) for u in users[:3])
         raise NearMiss(f"the {what} are used elsewhere ({others})")
@@ -493,4 +493,4 @@ def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None 
     return out
 
 
-__all__ = ["Match", "NearMiss", "find_sites", "match_site", "is_scalar"]
+__all__ = ["Match", "NearMiss", "find_sites", "match_site"]

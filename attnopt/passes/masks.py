@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..canon import dtype_of, meta_value, read, shape_of
+from ..canon import attr_value, dtype_of, meta_value, read, shape_of
+from ..runtime import is_lower_pattern
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class BandReader:
     def _buffer(self, node: fx.Node, rows: Any, cols: Any) -> Band:
         t = self.concrete.get(node)
         if t is None and node.op == "get_attr":
-            t = _get_attr(self.root, str(node.target))
+            t = attr_value(self.root, str(node.target))
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_meta:
             raise _Unknown
         if t.requires_grad or getattr(meta_value(node), "requires_grad", False):
@@ -162,12 +163,7 @@ class BandReader:
         if n < 1 or m < 2:
             raise _Unknown
         below, above = t2[0, 0].item(), t2[0, 1].item()
-        if below == above:
-            raise _Unknown
-        lower = torch.ones(n, m, dtype=torch.bool, device=t2.device).tril()
-        expected = torch.where(lower, torch.tensor(below, dtype=t2.dtype, device=t2.device),
-                               torch.tensor(above, dtype=t2.dtype, device=t2.device))
-        if not torch.equal(t2, expected):
+        if below == above or not is_lower_pattern(t2, below, above):
             raise _Unknown
         self.guarded.append(node)
         return Band(rows, cols, 0, below, above)
@@ -206,13 +202,6 @@ def _convert(b: Band, dtype: torch.dtype | None) -> Band:
     if dtype.is_floating_point:
         return Band(b.rows, b.cols, b.offset, float(b.below), float(b.above))
     return b
-
-
-def _get_attr(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _neg_large(value: float, dtype: torch.dtype | None) -> str | None:

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..canon import attr_value, dtype_of, meta_value
 from ..runtime import AttentionSite, BufferGuard
 from ..site import REWRITTEN
-from .find_sites import Match
+from .find_sites import Match, reads_only_dtype
 from .masks import Add, Fill
 
 
@@ -78,7 +79,7 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 for buf in m.mask.guarded:
                     t = concrete.get(buf)
                     if t is None and buf.op == "get_attr":
-                        t = _attr(gm, str(buf.target))
+                        t = attr_value(gm, str(buf.target))
                     guards.append(BufferGuard.of(t))
                     guard_nodes.append(buf)
             scale: Any = None
@@ -97,6 +98,7 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             if key in m.output.meta:
                 new.meta[key] = m.output.meta[key]
         m.output.replace_all_uses_with(new)
+        _detach_metadata_users(m)
         _erase_unused(gm, m.internal)
         m.record.decision = REWRITTEN
         m.record.rewrite = candidate
@@ -107,14 +109,25 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
     return gm
 
 
-def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[return-value]
-
-
 _PURE_MODULES = (torch.nn.Softmax, torch.nn.Dropout)
+
+
+def _detach_metadata_users(m: Match) -> None:
+    """Point ``s.new_full(...)``/``x.type_as(s)`` at q when they read a replaced node only for its dtype.
+
+    Otherwise a mask built with ``scores.new_full`` would keep the ``q @ k^T`` product alive.
+    """
+    internal = set(m.internal)
+    for node in m.internal:
+        if dtype_of(node) != dtype_of(m.q) or _device(node) != _device(m.q):
+            continue
+        for user in list(node.users):
+            if user not in internal and reads_only_dtype(user, node):
+                user.replace_input_with(node, m.q)
+
+
+def _device(node: fx.Node) -> object:
+    return getattr(meta_value(node), "device", None)
 
 
 def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
