@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from support import capture
 
 import attnopt
 from attnopt.models import CausalSelfAttention, GPTConfig, NanoGPT
@@ -23,18 +24,6 @@ CFG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dr
 
 def _sites(gm: fx.GraphModule) -> list[AttentionSite]:
     return [m for m in gm.modules() if isinstance(m, AttentionSite)]
-
-
-def _capture(model: nn.Module, *args):
-    """The dynamo graph of ``model`` and its example inputs."""
-    store = {}
-
-    def backend(gm, example_inputs):
-        store["gm"], store["inputs"] = gm, example_inputs
-        return gm.forward
-
-    torch.compile(model, backend=backend)(*args)
-    return store["gm"], store["inputs"]
 
 
 def test_optimize_nanogpt_outputs_and_grads_match():
@@ -165,7 +154,7 @@ def test_rewrite_export_graph():
 
 def test_rewriting_twice_changes_nothing():
     model = CausalSelfAttention(CFG).eval()
-    gm, inputs = _capture(model, torch.randn(2, 8, CFG.n_embd))
+    gm, inputs = capture(model, torch.randn(2, 8, CFG.n_embd))
     once = attnopt.rewrite(gm, inputs)
     twice = attnopt.rewrite(once, inputs)
     assert attnopt.explain(twice).rewritten == 0
@@ -322,7 +311,7 @@ def test_import_touches_no_device_and_site_module_prints_spec():
     code = ("import attnopt, torch, sys; "
             "sys.exit(1 if torch.cuda.is_initialized() else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
-    gm, inputs = _capture(CausalSelfAttention(CFG).eval(), torch.randn(1, 4, CFG.n_embd))
+    gm, inputs = capture(CausalSelfAttention(CFG).eval(), torch.randn(1, 4, CFG.n_embd))
     new = attnopt.rewrite(gm, inputs)
     (site,) = _sites(new)
     assert "causal (top-left)" in repr(site)
@@ -375,7 +364,7 @@ class NewFullMask(nn.Module):
 
 def test_mask_built_from_scores_metadata_does_not_keep_the_product():
     q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
-    gm, inputs = _capture(NewFullMask(), q, k, v)
+    gm, inputs = capture(NewFullMask(), q, k, v)
     new = attnopt.rewrite(gm, inputs)
     assert attnopt.explain(new).rewritten == 1
     products = [n for n in new.graph.nodes if n.target in (operator.matmul, torch.matmul)]

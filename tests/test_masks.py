@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from support import capture
 
 import attnopt
 import attnopt.candidates as candidates
@@ -36,18 +37,6 @@ def spy_candidate(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(candidates._REGISTRY, "spy", FunctionCandidate("spy", _spy, lambda spec: None))
     CALLS.clear()
     yield
-
-
-def capture(model: nn.Module, *inputs) -> tuple[fx.GraphModule, list]:
-    store: dict = {}
-
-    def backend(gm, example_inputs):
-        store["gm"], store["ex"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    return store["gm"], store["ex"]
 
 
 def plan_of(model: nn.Module, *inputs) -> MaskPlan:

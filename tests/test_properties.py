@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import capture
 
 import attnopt
 
@@ -41,6 +42,15 @@ QK_EINSUM = {
     3: ("bqd,bkd->bqk", "b i d, b j d -> b i j", "nxe,nye->nxy", "bqd,bdk->bqk"),
 }
 PV_EINSUM = {4: ("bhqk,bhkd->bhqd", "b h i j, b h j d -> b h i d"), 3: ("bqk,bkd->bqd", "n i j, n j e -> n i e")}
+
+
+_PRODUCTS = {"at": lambda a, b: a @ b, "matmul": torch.matmul, "method": lambda a, b: a.matmul(b),
+             "bmm": torch.bmm}
+
+
+def _product(spelling: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` written the way ``spelling`` says."""
+    return _PRODUCTS[spelling](a, b)
 
 
 @dataclass(frozen=True)
@@ -194,26 +204,12 @@ class GrammarAttention(nn.Module):
             if s.einsum_eq.replace(" ", "").split("->")[0].split(",")[1].endswith("dk"):  # K pre-transposed
                 return torch.einsum(s.einsum_eq, q, k.transpose(-2, -1))
             return torch.einsum(s.einsum_eq, q, k)
-        kt = self._kt(k)
-        if s.product == "at":
-            return q @ kt
-        if s.product == "matmul":
-            return torch.matmul(q, kt)
-        if s.product == "method":
-            return q.matmul(kt)
-        return torch.bmm(q, kt)
+        return _product(s.product, q, self._kt(k))
 
     def _pv(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        s = self.s
-        if s.pv == "einsum":
-            return torch.einsum(s.pv_eq, p, v)
-        if s.pv == "at":
-            return p @ v
-        if s.pv == "matmul":
-            return torch.matmul(p, v)
-        if s.pv == "method":
-            return p.matmul(v)
-        return torch.bmm(p, v)
+        if self.s.pv == "einsum":
+            return torch.einsum(self.s.pv_eq, p, v)
+        return _product(self.s.pv, p, v)
 
     def _scale(self, att: torch.Tensor) -> torch.Tensor:
         s, c = self.s, self.scale_value
@@ -316,19 +312,6 @@ def make_case(s: Spelling) -> tuple[GrammarAttention, tuple[torch.Tensor, ...]]:
     return model, (x, kv, mask)
 
 
-def capture(model: nn.Module, inputs: tuple) -> tuple[torch.fx.GraphModule, list]:
-    """The FX graph and example inputs dynamo hands a backend for ``model(*inputs)``."""
-    store: dict = {}
-
-    def backend(gm, example_inputs):
-        store["gm"], store["ex"] = gm, list(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    return store["gm"], store["ex"]
-
-
 def tol(s: Spelling) -> dict:
     return dict(atol=1e-5, rtol=1e-4) if s.dtype == "fp32" else dict(atol=2e-2, rtol=2e-2)
 
@@ -378,7 +361,7 @@ def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
     EXERCISED["fx eval"].add(s.axes())
     model, inputs = make_case(s)
     model.eval()
-    gm, ex = capture(model, inputs)
+    gm, ex = capture(model, *inputs)
     new = attnopt.rewrite(gm, ex)
     assert_rewritten_once(new)
     spec = new.meta["attnopt_report"].records[0].spec
@@ -421,7 +404,7 @@ def test_grammar_train_dropout(s: Spelling) -> None:
     with torch.no_grad():
         eval_out = first(model.eval()(*inputs))
     model.train()
-    gm, ex = capture(model, inputs)
+    gm, ex = capture(model, *inputs)
     new = attnopt.rewrite(gm, ex)
     assert_rewritten_once(new)
     spec = new.meta["attnopt_report"].records[0].spec
@@ -495,7 +478,7 @@ def test_single_query_decode(align: str) -> None:
                  dtype="fp32", B=2, H=2, Tq=1, Tk=9, D=8)
     model, inputs = make_case(s)
     model.eval()
-    gm, ex = capture(model, inputs)
+    gm, ex = capture(model, *inputs)
     new = attnopt.rewrite(gm, ex)
     assert_rewritten_once(new)
     assert new.meta["attnopt_report"].records[0].spec.causal == align

@@ -1,0 +1,20 @@
+"""Helpers shared by the test modules."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+
+def capture(model: nn.Module, *inputs) -> tuple[fx.GraphModule, list]:
+    """The FX graph and example inputs dynamo hands a backend for ``model(*inputs)`` (one graph, no breaks)."""
+    store: dict = {}
+
+    def backend(gm, example_inputs):
+        store["gm"], store["ex"] = gm, list(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    return store["gm"], store["ex"]
