@@ -25,6 +25,11 @@ import torch.nn.functional as F
 
 from .site import AttentionSpec
 
+#: FlexAttention's score modifier signature: ``score_mod(score, b, h, q_idx, kv_idx) -> score``,
+#: applied to the scaled score before the mask. Candidates only receive ``score_mod=`` when the
+#: site has one (``spec.score_mod``), so SDPA-shaped functions need not accept it.
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class Candidate(Protocol):
     name: str
@@ -33,7 +38,7 @@ class Candidate(Protocol):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
-                 enable_gqa: bool) -> torch.Tensor: ...
+                 enable_gqa: bool, score_mod: ScoreMod | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ def candidate_names() -> list[str]:
 
 
 def _sdpa_supports(spec: AttentionSpec) -> str | None:
+    if spec.score_mod is not None:
+        return f"SDPA cannot apply a score modifier ({spec.score_mod})"
     if spec.gqa and not _HAS_GQA:
         return "enable_gqa needs torch >= 2.5"
     return None
@@ -93,8 +100,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         is_causal: bool = False, scale: float | None = None,
-                        enable_gqa: bool = False) -> torch.Tensor:
-    """The plain computation SDPA documents, written out: the ``math`` candidate."""
+                        enable_gqa: bool = False, score_mod: ScoreMod | None = None) -> torch.Tensor:
+    """The plain computation SDPA documents, written out: the ``math`` candidate.
+
+    ``score_mod`` (FlexAttention's signature) is applied to the scaled scores before the mask.
+    """
     tq, tk = q.size(-2), k.size(-2)
     scale = q.size(-1) ** -0.5 if scale is None else scale
     if enable_gqa and k.size(-3) != q.size(-3):
@@ -102,6 +112,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         k = k.repeat_interleave(rep, dim=-3)
         v = v.repeat_interleave(rep, dim=-3)
     scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if score_mod is not None:
+        b, h, qi, ki = (torch.arange(n, device=q.device) for n in scores.shape)
+        scores = score_mod(scores, b[:, None, None, None], h[None, :, None, None], qi[None, None, :, None],
+                           ki[None, None, None, :])
     if is_causal:
         keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -120,3 +134,5 @@ register_candidate(FunctionCandidate("sdpa", _sdpa, _sdpa_supports,
                                      "torch.nn.functional.scaled_dot_product_attention"))
 register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
                                      "softmax(scale * q @ k^T + mask) @ v written out"))
+
+from . import kernels  # noqa: E402,F401 - registers the kernels' candidates (they import this module)

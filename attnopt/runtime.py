@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .candidates import get_candidate
+from .candidates import ScoreMod, get_candidate
 from .site import AttentionSpec
 
 log = logging.getLogger("attnopt")
@@ -85,8 +85,9 @@ class AttentionSite(nn.Module):
     """Runs one rewritten attention site with a registered candidate."""
 
     def __init__(self, name: str, spec: AttentionSpec, candidate: str = "sdpa",
-                 guards: list[BufferGuard] | None = None, where: str = ""):
+                 guards: list[BufferGuard] | None = None, where: str = "", score_mod: ScoreMod | None = None):
         super().__init__()
+        self.score_mod = score_mod
         self.site_name = name
         self.spec = spec
         self.candidate = candidate
@@ -116,6 +117,8 @@ class AttentionSite(nn.Module):
         dropout_active = spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training)
         kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=scale,
                       dropout_p=p if dropout_active else 0.0, enable_gqa=spec.gqa)
+        if self.score_mod is not None:
+            kwargs["score_mod"] = self.score_mod
         min_rows = None
         if spec.min_rows != "none" and not use_causal and mask is not None:
             min_rows = (mask <= torch.finfo(mask.dtype).min / 2).all(-1, keepdim=True)

@@ -44,6 +44,8 @@ class AttentionSpec:
             ``masked_fill``: the row is the mean of v and sends no gradient to q or k, as
             written) or ``"math"`` (an added mask: run the reference computation for calls
             that have such rows, since SDPA's fused backward loses the 1/Tk normalisation there).
+        score_mod: description of an elementwise score modifier between the product and the
+            softmax (e.g. tanh soft-capping), or None; the site module holds the callable.
         gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
             ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
@@ -64,6 +66,7 @@ class AttentionSpec:
     runtime_scale: bool = False
     runtime_dropout: bool = False
     min_rows: str = "none"
+    score_mod: str | None = None
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -87,6 +90,8 @@ class AttentionSpec:
             parts.append("dropout p=run-time value" if self.runtime_dropout else f"dropout p={self.dropout_p:g}")
         if self.gqa:
             parts.append("GQA")
+        if self.score_mod:
+            parts.append(f"score_mod {self.score_mod}")
         return ", ".join(parts)
 
 
