@@ -6,3 +6,5 @@ package once its own names exist, so ``candidate_names()`` always lists every ke
 Kernels must be exact: outputs and gradients equal to ``reference_attention`` within the
 dtype's tolerance, on every input their ``supports`` accepts.
 """
+
+from . import tiled  # noqa: F401
