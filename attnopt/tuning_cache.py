@@ -1,0 +1,356 @@
+"""Tuning results on disk: which candidate was fastest for one site shape on one machine and setup.
+
+The selector times every legal candidate for a (site, shape key) once and keeps the result here,
+so later runs and other processes skip the timing::
+
+    >>> cache = TuningCache()                                  # $ATTNOPT_CACHE_DIR or the user cache dir
+    >>> key = cache.key({"B": 1, "H": 12, "Tq": 1024, "Tk": 1024, "D": 64, "dtype": torch.float32},
+    ...                 ["sdpa", "math"], torch.device("cpu"))
+    >>> cache.lookup(key)                                      # None: never tuned here
+    >>> cache.store(key, TuningEntry("sdpa", {"sdpa": 42.4, "math": 116.3}))
+    >>> cache.lookup(key).choice
+    'sdpa'
+
+Design:
+
+* **The key is everything the answer depends on**: the environment (attnopt version, torch version,
+  device type and name, CUDA capability or CPU model and torch's thread count), the sorted
+  candidate set and the shape key. ``key()`` returns it as plain JSON data; its canonical JSON
+  (sorted keys, no spaces) is what is hashed and compared.
+* **One JSON file per key**, ``<sha256 of the canonical key>.json``, holding ``{"format", "key",
+  "entry"}``. A lookup compares the stored key with the requested one, so a foreign file, a hash
+  collision or a file written by another attnopt/torch version is a miss, never a wrong answer.
+* **Atomic writes**: the file is written under a unique temporary name in the same directory and
+  moved into place with ``os.replace``, so a concurrent reader sees the old file or the new one,
+  never a partial one; the last writer wins. The directory is created on demand.
+* **Failures never break a model**: a corrupt or unreadable file is a miss with a warning naming
+  the file (the next ``store`` overwrites it); a directory that cannot be written warns once, and
+  the cache keeps working in memory for this process.
+* **An in-memory layer** in front of the disk: repeated lookups of a key in one process read the
+  disk once. Misses are not remembered, so a result stored by another process is found later.
+* ``ATTNOPT_CACHE=0`` (or ``off``/``false``/``no``) turns the disk layer off.
+
+Timings of candidates that raised or were rejected are ``inf``; in the file they are written as
+``null`` so that every file is strict JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import sys
+import threading
+import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TuningCache", "TuningEntry", "default_cache_dir", "environment"]
+
+#: Version of the file layout (``{"format", "key", "entry"}``); files of another format are misses.
+FILE_FORMAT = 1
+
+_OFF_VALUES = ("0", "off", "false", "no")
+_ON_VALUES = ("", "1", "on", "true", "yes")
+_CACHE_FILE = re.compile(r"[0-9a-f]{64}\.json")
+_TEMP_FILE = re.compile(r"\.[0-9a-f]{64}\.json\.[0-9a-f]+\.tmp")
+
+
+def default_cache_dir() -> Path:
+    """Where tuning results live: ``$ATTNOPT_CACHE_DIR``, else the user cache directory.
+
+    The user cache directory is ``$XDG_CACHE_HOME/attnopt`` or ``~/.cache/attnopt`` on Linux,
+    ``~/Library/Caches/attnopt`` on macOS and ``%LOCALAPPDATA%\\attnopt\\Cache`` on Windows
+    (``platformdirs.user_cache_dir("attnopt")`` when that package is installed).
+    """
+    explicit = os.environ.get("ATTNOPT_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    try:
+        import platformdirs
+    except ImportError:
+        pass
+    else:
+        return Path(platformdirs.user_cache_dir("attnopt", appauthor=False))
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "attnopt"
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local") / "attnopt" / "Cache"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnopt"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``'s model name on Linux, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def environment(device: torch.device | str) -> dict[str, str]:
+    """What a timing depends on besides the shape: versions, the device and its setup.
+
+    >>> environment(torch.device("cpu"))  # doctest: +SKIP
+    {'attnopt': '0.1.0', 'torch': '2.13.0+cpu', 'device_type': 'cpu',
+     'device_name': 'AMD EPYC 7B13', 'threads': '2'}
+
+    CUDA devices add the capability and the CUDA (or HIP) version torch was built with;
+    CPUs add torch's intra-op thread count.
+    """
+    import attnopt  # at call time: attnopt imports this module
+
+    device = torch.device(device)
+    env = {"attnopt": str(attnopt.__version__), "torch": str(torch.__version__), "device_type": device.type}
+    if device.type == "cpu":
+        env["device_name"] = _cpu_name()
+        env["threads"] = str(torch.get_num_threads())
+    elif device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        major, minor = torch.cuda.get_device_capability(index)
+        env["device_name"] = torch.cuda.get_device_name(index)
+        env["capability"] = f"{major}.{minor}"
+        env["cuda"] = str(torch.version.hip or torch.version.cuda)
+    else:
+        backend = getattr(torch, device.type, None)
+        get_name = getattr(backend, "get_device_name", None)
+        env["device_name"] = str(get_name(device.index or 0)) if callable(get_name) else device.type
+    return env
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON data (dicts with str keys, lists, str, int, finite float, bool, None)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value}; keys hold finite numbers only")
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where} has the non-string key {k!r}; use string keys")
+            out[k] = _plain(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, (list, tuple)):  # torch.Size is a tuple
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(f"{where} is a {type(value).__name__} ({value!r}); a tuning key holds concrete values "
+                    "only: str, int, float, bool, None, torch.dtype, torch.device, and lists/tuples/dicts of them")
+
+
+def _canonical(key: Mapping[str, Any]) -> str:
+    return json.dumps(_plain(key, "key"), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningEntry:
+    """The result of tuning one key.
+
+    Attributes:
+        choice: name of the candidate to run.
+        timings_ms: median time per candidate in milliseconds; ``inf`` for one that raised or
+            was rejected.
+        peak_bytes: peak memory per candidate, in bytes.
+        rejected: candidate name -> why it was not timed or not kept.
+        created: when the tuning ran (ISO 8601, UTC).
+        tuning_s: how long the tuning took, in seconds.
+    """
+
+    choice: str
+    timings_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    rejected: dict[str, str] = dataclasses.field(default_factory=dict)
+    created: str = dataclasses.field(default_factory=_now)
+    tuning_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.choice, str) or not self.choice:
+            raise ValueError(f"choice must be a candidate name, got {self.choice!r}")
+        for name, ms in self.timings_ms.items():
+            if not isinstance(ms, (int, float)) or isinstance(ms, bool) or math.isnan(ms) or ms < 0:
+                raise ValueError(f"timings_ms[{name!r}] must be a time in ms >= 0 or inf, got {ms!r}")
+        for name, n in self.peak_bytes.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"peak_bytes[{name!r}] must be a byte count >= 0, got {n!r}")
+        for name, reason in self.rejected.items():
+            if not isinstance(reason, str):
+                raise ValueError(f"rejected[{name!r}] must be the reason as a string, got {reason!r}")
+        if not isinstance(self.created, str):
+            raise ValueError(f"created must be an ISO 8601 time string, got {self.created!r}")
+        if not isinstance(self.tuning_s, (int, float)) or not self.tuning_s >= 0:
+            raise ValueError(f"tuning_s must be seconds >= 0, got {self.tuning_s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data; ``inf`` timings become ``None``."""
+        data = dataclasses.asdict(self)
+        data["timings_ms"] = {k: (float(v) if math.isfinite(v) else None) for k, v in self.timings_ms.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TuningEntry:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` naming what is missing or malformed."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a tuning entry is a JSON object, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if "choice" not in data or set(data) - names:
+            raise ValueError(f"a tuning entry has the fields {sorted(names)} ('choice' required), got {sorted(data)}")
+        fields = dict(data)
+        for name in ("timings_ms", "peak_bytes", "rejected"):
+            if not isinstance(fields.get(name, {}), Mapping):
+                raise ValueError(f"{name} must be a JSON object, got {fields[name]!r}")
+        fields["timings_ms"] = {k: (math.inf if v is None else v) for k, v in fields.get("timings_ms", {}).items()}
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        """Strict JSON text (``inf`` timings as ``null``)."""
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> TuningEntry:
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))
+
+
+def _disk_enabled() -> bool:
+    value = os.environ.get("ATTNOPT_CACHE", "").strip().lower()
+    if value in _OFF_VALUES:
+        return False
+    if value in _ON_VALUES:
+        return True
+    raise ValueError(f"ATTNOPT_CACHE={value!r} is not understood; set it to '0'/'off' to keep tuning results "
+                     "in memory only, or '1'/'on' (or leave it unset) to keep them on disk")
+
+
+class TuningCache:
+    """Tuning results keyed by environment, candidate set and shape, in memory and on disk.
+
+    Args:
+        directory: where the files go; ``None`` means :func:`default_cache_dir` (read now).
+            The disk layer is off when ``ATTNOPT_CACHE=0`` (read now).
+    """
+
+    def __init__(self, directory: Path | str | None = None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
+        self.disk = _disk_enabled()
+        self._writable = True
+        self._memory: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        where = str(self.directory) if self.disk else "memory only (ATTNOPT_CACHE off)"
+        return f"TuningCache({where}, {len(self._memory)} in memory)"
+
+    def key(self, shape_key: Mapping[str, Any], candidates: Sequence[str], device: torch.device | str) -> dict:
+        """The full key: ``{"environment": ..., "candidates": sorted names, "shape": shape_key}`` as JSON data."""
+        if isinstance(candidates, str) or not all(isinstance(c, str) and c for c in candidates):
+            raise TypeError(f"candidates must be a sequence of candidate names, got {candidates!r}")
+        if not candidates:
+            raise ValueError("candidates is empty; a tuning key needs the candidate set that was timed")
+        key = {"environment": environment(device), "candidates": sorted(set(candidates)),
+               "shape": _plain(shape_key, "shape_key")}
+        return json.loads(_canonical(key))
+
+    def path_for(self, key: Mapping[str, Any]) -> Path:
+        """The file that holds ``key``'s entry (whether or not it exists)."""
+        return self.directory / f"{hashlib.sha256(_canonical(key).encode()).hexdigest()}.json"
+
+    def lookup(self, key: Mapping[str, Any]) -> TuningEntry | None:
+        """The entry stored for ``key``, or ``None`` (never tuned, other key in the file, unreadable file)."""
+        canonical = _canonical(key)
+        with self._lock:
+            data = self._memory.get(canonical)
+        if data is not None:
+            return TuningEntry.from_dict(data)
+        if not self.disk:
+            return None
+        entry = self._read(self.path_for(key), canonical)
+        if entry is not None:
+            with self._lock:
+                self._memory[canonical] = entry.to_dict()
+        return entry
+
+    def store(self, key: Mapping[str, Any], entry: TuningEntry) -> None:
+        """Keep ``entry`` for ``key`` in memory and (atomically) on disk, replacing any earlier one."""
+        if not isinstance(entry, TuningEntry):
+            raise TypeError(f"store() takes a TuningEntry, got {type(entry).__name__}")
+        canonical = _canonical(key)
+        data = entry.to_dict()
+        with self._lock:
+            self._memory[canonical] = data
+        if self.disk and self._writable:
+            record = {"format": FILE_FORMAT, "key": json.loads(canonical), "entry": data}
+            self._write(self.path_for(key), json.dumps(record, sort_keys=True, indent=1, allow_nan=False))
+
+    def clear(self) -> None:
+        """Forget every entry: the in-memory layer and this cache's files in the directory."""
+        with self._lock:
+            self._memory.clear()
+        if not self.disk or not self.directory.is_dir():
+            return
+        for path in self.directory.iterdir():
+            if _CACHE_FILE.fullmatch(path.name) or _TEMP_FILE.fullmatch(path.name):
+                try:
+                    path.unlink()
+                except FileNotFoundError:  # removed by another process meanwhile
+                    pass
+
+    def _read(self, path: Path, canonical: str) -> TuningEntry | None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            warnings.warn(f"attnopt: ignoring the unreadable tuning cache file {path} ({e}); "
+                          "it is tuned again and overwritten", stacklevel=3)
+            return None
+        try:
+            record = json.loads(text)
+            if not isinstance(record, dict) or record.get("format") != FILE_FORMAT:
+                return None  # another layout: a foreign file or another attnopt version
+            if _canonical(record["key"]) != canonical:
+                return None  # another key under this name
+            return TuningEntry.from_dict(record["entry"])
+        except (ValueError, TypeError, KeyError) as e:
+            warnings.warn(f"attnopt: ignoring the corrupt tuning cache file {path} ({type(e).__name__}: {e}); "
+                          "it is tuned again and overwritten", stacklevel=3)
+            return None
+
+    def _write(self, path: Path, text: str) -> None:
+        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # O_EXCL: the name is ours alone; mode 0o666 lets the umask decide who may read it
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(temp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            self._writable = False
+            warnings.warn(f"attnopt: cannot write the tuning cache in {self.directory} ({e}); tuning results are "
+                          "kept in memory for this process only. Set ATTNOPT_CACHE_DIR to a writable directory, "
+                          "or ATTNOPT_CACHE=0 to silence this.", stacklevel=3)
