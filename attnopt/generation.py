@@ -1,0 +1,488 @@
+"""KV-cached generation for causal language models written without a cache.
+
+``attnopt.generate(model, idx, max_new_tokens)`` gives the tokens the plain loop gives
+(``generate_plain``: run the whole sequence, take the last logits, pick, append, repeat), but
+runs each new token once. ``cached(model)`` builds the object it uses, for users who drive
+decoding themselves::
+
+    lm = attnopt.generation.cached(model)         # capture + proof; max_len from the model
+    logits = lm.prefill(idx)                       # (B, T0, vocab), caches filled
+    logits = lm.step(next_tokens)                  # (B, t, vocab) for positions T0 .. T0 + t - 1
+    print(lm.describe())                           # sites, max_len, cache bytes
+
+How the cached model is built, and why it computes the same function:
+
+1. **Capture** ``forward(idx)`` with ``torch.export`` (batch and sequence dims dynamic), so every
+   node carries symbolic shapes and the sequence length is one symbol ``T``. Parameters are the
+   model's own tensors (shared, not copied).
+2. **Keep the logits**: the graph returns only the logits (a tensor, the first item of a tuple such
+   as nanoGPT's ``(logits, loss)``, or ``.logits``); everything else is dead code.
+3. **Find sites** (``passes/find_sites.py``) and replace every proven *causal* site with a
+   :class:`KVCacheAttention` module called as ``(q, k, v, scale, offset)``. Sites with another mask
+   or active dropout stay as written, so step 4 refuses them.
+4. **Prove positions** (``passes/positions.py``): every other op acts on each position alone, or
+   reads positions only through ``arange(T)`` / ``table[:T]``; otherwise
+   :class:`~attnopt.passes.positions.PositionError` names the op and its source line.
+5. **Shift positions**: the graph takes ``(tokens, offset)``; ``arange(T)`` becomes
+   ``arange(offset, offset + t)`` and ``table[:T]`` becomes ``table[offset:offset + t]``.
+
+Each site writes its new K and V into a cache preallocated to ``max_len`` positions (K and V are
+computed per position, so the cached rows equal the full recompute's) and attends over
+``cache[:offset + t]`` with the causal rule aligned bottom-right: no mask for one new token,
+``is_causal`` for the prefill, an explicit lower-band mask for several new tokens after a prefix.
+Attention runs through the ``sdpa`` candidate; outputs match the model as written within the
+dtype's tolerance, like every attnopt rewrite. Dropout must be inactive (``model.eval()``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from tabulate import tabulate
+
+from .candidates import get_candidate
+from .canon import meta_value, shape_of
+from .passes.find_sites import Match, find_sites
+from .passes.positions import PositionError, PositionPlan, analyse_positions, offset_positions
+from .passes.rewrite_sdpa import rewrite_sites
+from .runtime import AttentionSite
+from .site import AttentionSpec
+
+#: Config attributes that name a model's maximum number of positions, most specific first.
+_CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+
+
+class KVCacheAttention(nn.Module):
+    """One causal self-attention site with its K/V cache: ``(q, k, v, scale, offset) -> out``.
+
+    q: ``(..., t, D)`` for the ``t`` new positions ``offset .. offset + t - 1``; k, v: their keys and
+    values (``(..., Hkv, t, D)``, unrepeated for GQA). The cache is allocated on the first call at
+    offset 0 with ``max_len`` positions.
+    """
+
+    def __init__(self, name: str, spec: AttentionSpec, max_len: int, where: str = ""):
+        super().__init__()
+        self.site_name = name
+        self.spec = spec
+        self.max_len = max_len
+        self.where = where
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return f"{self.site_name}: max_len={self.max_len}, {self.spec.describe()}"
+
+    def reset(self) -> None:
+        self.k_cache = self.v_cache = None
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache) if t is not None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                offset: int) -> torch.Tensor:
+        t = q.size(-2)
+        end = offset + t
+        if self.k_cache is None or offset == 0:
+            self.k_cache = k.new_empty((*k.shape[:-2], self.max_len, k.size(-1)))
+            self.v_cache = v.new_empty((*v.shape[:-2], self.max_len, v.size(-1)))
+        assert self.v_cache is not None
+        self.k_cache[..., offset:end, :] = k
+        self.v_cache[..., offset:end, :] = v
+        keys, values = self.k_cache[..., :end, :], self.v_cache[..., :end, :]
+        lead = 4 - q.dim()
+        if lead:
+            q, keys, values = (x.reshape((1,) * lead + x.shape) for x in (q, keys, values))
+        if values.dtype != q.dtype:
+            values = values.to(q.dtype)
+        mask = None
+        if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
+            mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        out = get_candidate("sdpa")(
+            q, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=t > 1 and t == end,
+            scale=self.spec.scale if scale is None else float(scale), enable_gqa=self.spec.gqa)
+        if lead:
+            out = out.reshape(out.shape[lead:])
+        if self.spec.out_dtype is not None and out.dtype != self.spec.out_dtype:
+            out = out.to(self.spec.out_dtype)
+        return out
+
+
+class CachedLM:
+    """A causal LM that runs new tokens only, attending to cached keys and values.
+
+    Built by :func:`cached`. ``prefill(idx)`` starts a batch of sequences; ``step(tokens)`` appends
+    tokens to all of them. ``length`` is the number of positions cached so far.
+
+    Attributes:
+        max_len: positions the caches hold (prompt plus generated tokens fed back).
+        bytes_per_token: cache bytes per position of one sequence (K and V of every site).
+        cache_bytes: bytes allocated now (``batch * max_len * bytes_per_token`` after a prefill).
+        sites: the cached attention modules, in graph order.
+        graph_module: the rewritten graph, ``forward(tokens, offset) -> logits``.
+        plan: what the position analysis found (shifted position readers, length bounds).
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, sites: list[KVCacheAttention], max_len: int,
+                 max_len_source: str, bytes_per_token: int | None, plan: PositionPlan, name: str):
+        self.graph_module = graph_module
+        self.sites = sites
+        self.max_len = max_len
+        self.max_len_source = max_len_source
+        self.bytes_per_token = bytes_per_token
+        self.plan = plan
+        self.name = name
+        self.length = 0
+        self.batch: int | None = None
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(s.cache_bytes for s in self.sites)
+
+    def reset(self) -> None:
+        """Forget the cached sequences and free the caches."""
+        for s in self.sites:
+            s.reset()
+        self.length, self.batch = 0, None
+
+    def prefill(self, idx: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``idx`` ``(B, T0)``; return its logits ``(B, T0, vocab)`` and cache K and V."""
+        _check_tokens(idx, "idx")
+        self.reset()
+        self._check_room(idx.size(1))
+        with torch.no_grad():
+            logits = self.graph_module(idx, 0)
+        self.length, self.batch = idx.size(1), idx.size(0)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` ``(B, t)`` to every sequence; return their logits ``(B, t, vocab)``."""
+        _check_tokens(tokens, "tokens")
+        if self.batch is None:
+            raise RuntimeError("call prefill(idx) before step(tokens): the cache is empty")
+        if tokens.size(0) != self.batch:
+            raise ValueError(f"tokens has batch size {tokens.size(0)} but the cached sequences {self.batch}; "
+                             "call prefill(idx) to start a new batch")
+        self._check_room(self.length + tokens.size(1))
+        with torch.no_grad():
+            logits = self.graph_module(tokens, self.length)
+        self.length += tokens.size(1)
+        return logits
+
+    def _check_room(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"{needed} positions exceed max_len={self.max_len} ({self.max_len_source}); "
+                             "build the cached model with a larger max_len if the model allows it, "
+                             "or start again with a shorter sequence")
+
+    def describe(self) -> str:
+        """Sites, length limit and cache memory as text."""
+        rows = [[s.site_name, s.where, s.spec.describe()] for s in self.sites]
+        per = "unknown" if self.bytes_per_token is None else f"{self.bytes_per_token} B"
+        lines = [f"attnopt cached {self.name}: {len(self.sites)} attention site(s) cached, "
+                 f"max_len={self.max_len} ({self.max_len_source})",
+                 f"cache: {per} per position per sequence; allocated {self.cache_bytes} B"
+                 + (f" for batch {self.batch}, {self.length} position(s) used" if self.batch else ""),
+                 "", tabulate(rows, headers=["site", "where", "attention"])]
+        if self.plan.shifted:
+            lines.append("positions shifted by the cache length: "
+                         + ", ".join(f"`{n.name}`" for n in self.plan.shifted))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"CachedLM({self.name}, sites={len(self.sites)}, max_len={self.max_len}, length={self.length})"
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
+    """Capture ``model`` (a causal LM, ``forward(idx) -> logits (B, T, vocab)``) and build its cached version.
+
+    Args:
+        model: returns logits for every position: a tensor, a tuple whose first item is the logits
+            (nanoGPT's ``(logits, loss)``), or an object with ``.logits``. Dropout must be inactive.
+        max_len: positions the caches hold. Default: the model's maximum positions when they can be
+            found (``config.block_size``/``max_position_embeddings``/..., position tables, length checks
+            in ``forward``). A value beyond a position table or check of the model is refused.
+
+    Raises:
+        PositionError: the model is not provably cacheable; the message names the op and line.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attnopt.generation.cached expects a torch.nn.Module, got {type(model).__name__}")
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    declared = _config_max(model)
+    example_len = 4 if declared is None else max(2, min(4, declared))
+    gm, tokens, ep = _capture(model, example_len)
+    graph = gm.graph
+    found = [f for f in find_sites(gm, {}) if isinstance(f, Match)]
+    chosen, notes = [], {}
+    for m in found:
+        why = _not_cacheable(m.spec)
+        if why is None:
+            chosen.append(m)
+        else:
+            where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
+            for n in m.internal:
+                notes[n] = f"it belongs to the attention {m.record.name} ({where}), which {why}"
+    if chosen:
+        rewrite_sites(gm, chosen, "sdpa", {})
+    with graph.inserting_after(tokens):
+        offset = graph.placeholder("offset")
+    sites, site_nodes = [], []
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), AttentionSite):
+            continue
+        old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
+        q, k, v, _mask, scale = node.args[:5]
+        site = KVCacheAttention(old.site_name, old.spec, 1, old.where)
+        name = f"attnopt_kv_{old.site_name}"
+        gm.add_submodule(name, site)
+        with graph.inserting_before(node):
+            new = graph.call_module(name, (q, k, v, scale, offset))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        sites.append(site)
+        site_nodes.append(new)
+    graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    plan = analyse_positions(gm, tokens, site_nodes, notes)
+    if not sites:
+        raise PositionError(f"{type(model).__name__} has no causal self-attention that attnopt could prove, so "
+                            "there is nothing to cache (attnopt.explain(model, idx) shows what was found)")
+    offset_positions(gm, plan, offset)
+    limit, source = _resolve_max_len(max_len, declared, plan, ep, tokens)
+    for s in sites:
+        s.max_len = limit
+    return CachedLM(gm, sites, limit, source, _bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
+
+
+def _not_cacheable(spec: AttentionSpec) -> str | None:
+    if spec.causal is None:
+        return f"is not causal self-attention ({spec.describe() if spec.mask != 'none' else 'no mask'})"
+    if spec.dropout_mode == "on":
+        return "has active dropout (call model.eval() before generating)"
+    if spec.score_mod is not None:
+        return f"modifies its scores ({spec.score_mod})"
+    return None
+
+
+def _capture(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Node, Any]:
+    """``forward(idx)`` as an ATen graph with symbolic batch and length, returning only the logits."""
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    example = torch.zeros(2, example_len, dtype=torch.long, device=device)
+    dim = torch.export.Dim.AUTO
+    try:
+        ep = torch.export.export(model, (example,), dynamic_shapes=({0: dim, 1: dim},))
+    except Exception as e:
+        raise RuntimeError(f"torch.export could not capture {type(model).__name__}.forward(idx) with a dynamic "
+                           f"batch and sequence length: {type(e).__name__}: {e}") from e
+    if ep.graph_signature.buffers_to_mutate:
+        raise PositionError(f"{type(model).__name__}.forward writes its buffers "
+                            f"({', '.join(ep.graph_signature.buffers_to_mutate.values())}); a model that keeps "
+                            "state between calls cannot be cached by attnopt")
+    module = ep.module()
+    graph = module.graph
+    graph._codegen = fx.graph.CodeGen()  # plain forward(tokens, ...) -> logits, no pytree wrapping
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            graph.erase_node(node)  # input range checks; the cache checks max_len itself
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise PositionError(f"{type(model).__name__}.forward(idx) was captured with {len(placeholders)} inputs; "
+                            "only forward(idx) with token ids is supported")
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    sentinels = [torch.empty(0) for _ in flat]
+    try:
+        chosen = _logits(pytree.tree_unflatten(sentinels, ep.call_spec.out_spec))
+        index = next(i for i, s in enumerate(sentinels) if s is chosen)
+    except (TypeError, StopIteration) as e:
+        raise PositionError(f"{type(model).__name__}.forward must return logits: a tensor, a tuple whose first "
+                            "item is the logits, or an object with .logits") from e
+    out.args = (flat[index],)
+    gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm, placeholders[0], ep
+
+
+def _config_max(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in _CONFIG_MAX:
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _resolve_max_len(requested: int | None, declared: int | None, plan: PositionPlan, ep: Any,
+                     tokens: fx.Node) -> tuple[int, str]:
+    """The cache length: requested, else declared by the config, else the tightest bound the graph shows."""
+    hard = list(plan.bounds)
+    seq = plan.seq
+    vr = ep.range_constraints.get(seq)
+    if vr is not None:
+        try:
+            upper = int(vr.upper)
+            hard.append(("a length check in forward", upper))
+        except (TypeError, ValueError, OverflowError):
+            pass
+    tightest = min(hard, key=lambda b: b[1], default=None)
+    if requested is not None:
+        if tightest is not None and requested > tightest[1]:
+            raise ValueError(f"max_len={requested} exceeds what the model can index: {tightest[1]} positions "
+                             f"({tightest[0]})")
+        return requested, "requested"
+    if declared is not None:
+        if tightest is not None and declared > tightest[1]:
+            return tightest[1], tightest[0]
+        return declared, "the model's config"
+    if tightest is not None:
+        return tightest[1], tightest[0]
+    raise ValueError("could not find the model's maximum number of positions (no config.block_size / "
+                     "max_position_embeddings, position table or length check); pass max_len=")
+
+
+def _bytes_per_token(site_nodes: list[fx.Node], tokens: fx.Node) -> int | None:
+    """K and V bytes per position of one sequence, read from the symbolic shapes of the site inputs."""
+    shape = shape_of(tokens)
+    assert shape is not None
+    per_seq = shape[0] * shape[1]
+    total = 0
+    for node in site_nodes:
+        for x in node.args[1:3]:
+            val = meta_value(x)
+            if not isinstance(val, torch.Tensor):
+                return None
+            count = sympy.simplify(sympy.sympify(val.numel()) / sympy.sympify(per_seq))
+            if not count.is_Integer:
+                return None
+            total += int(count) * val.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The logits of a forward's result: a tensor, ``(logits, ...)``, or ``.logits``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the model returned {type(out).__name__}; expected logits: a tensor, a tuple whose first "
+                    "item is the logits, or an object with .logits")
+
+
+def _check_tokens(idx: Any, what: str) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int):
+        got = f"{tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"{what} must be token ids of shape (batch, length) and dtype torch.long, got {got}; "
+                         "add a batch dim with idx[None]")
+    if idx.size(1) < 1:
+        raise ValueError(f"{what} must hold at least one token per sequence")
+
+
+def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, do_sample: Any, generator: Any) -> None:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, do_sample: bool,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row from the last position's logits ``(B, vocab)``: argmax, or a sample."""
+    if not do_sample:
+        return torch.argmax(logits, dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def _check_total(idx: torch.Tensor, max_new_tokens: int, max_len: int | None) -> None:
+    needed = idx.size(1) + max_new_tokens - 1  # the last new token is never fed back
+    if max_len is not None and max_new_tokens > 0 and needed > max_len:
+        raise ValueError(f"a prompt of {idx.size(1)} tokens plus {max_new_tokens} new ones needs {needed} positions, "
+                         f"more than max_len={max_len}; generate fewer tokens or shorten the prompt")
+
+
+def generate_plain(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                   top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+                   max_len: int | None = None) -> torch.Tensor:
+    """The full-recompute loop: run the whole sequence for every new token. Returns ``(B, T0 + max_new_tokens)``.
+
+    The reference :func:`generate` is checked against; it picks tokens with the same ops in the same
+    order, so a generator seeded alike gives the same samples.
+    """
+    _check_tokens(idx, "idx")
+    _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator)
+    _check_total(idx, max_new_tokens, max_len)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = _logits(model(idx))
+            nxt = _next_token(logits[:, -1, :], temperature, top_k, do_sample, generator)
+            idx = torch.cat((idx, nxt), dim=1)
+    return idx
+
+
+def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+             max_len: int | None = None) -> torch.Tensor:
+    """Generate ``max_new_tokens`` tokens after ``idx`` ``(B, T0)`` with a KV cache; returns ``(B, T0 + N)``.
+
+    Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
+    ``temperature``, keep the ``top_k`` largest, sample with ``generator``). ``model`` is a causal LM
+    (see :func:`cached`) or a :class:`CachedLM` built before (capture takes seconds; reuse it).
+
+    Raises:
+        PositionError: the model cannot be cached exactly (the message names the op and line).
+        ValueError: bad arguments, or the prompt plus new tokens exceed ``max_len``.
+    """
+    _check_tokens(idx, "idx")
+    _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator)
+    if isinstance(model, CachedLM):
+        if max_len is not None and max_len != model.max_len:
+            raise ValueError(f"max_len={max_len} differs from the CachedLM's max_len={model.max_len}; "
+                             "build another with attnopt.generation.cached(model, max_len=...)")
+        lm = model
+    else:
+        lm = cached(model, max_len=max_len)
+    _check_total(idx, max_new_tokens, lm.max_len)
+    if max_new_tokens == 0:
+        return idx
+    out = [idx]
+    logits = lm.prefill(idx)
+    for i in range(max_new_tokens):
+        nxt = _next_token(logits[:, -1, :], temperature, top_k, do_sample, generator)
+        out.append(nxt)
+        if i + 1 < max_new_tokens:
+            logits = lm.step(nxt)
+    return torch.cat(out, dim=1)
+
+
+__all__ = ["CachedLM", "KVCacheAttention", "PositionError", "cached", "generate", "generate_plain"]

@@ -1,0 +1,525 @@
+"""Position analysis: prove that a language model's graph can run on new tokens with a KV cache.
+
+Matches an ATen graph captured with a symbolic sequence length ``T`` (``torch.export`` with a
+dynamic dim) in which every causal self-attention site has already been replaced by a
+``call_module`` site node ``(q, k, v, ...)``. It emits a :class:`PositionPlan`: the nodes that
+read positions ``0..T-1`` (``arange(T)``, ``table[:T]``), which the cached model shifts by the
+number of cached tokens, and the position tables that bound the usable length. Anything that
+could make position ``i`` of the output depend on other positions, or on ``T`` itself, raises a
+:class:`PositionError` that names the op and its source line.
+
+Every node gets one :class:`Kind`, a forward dataflow in graph order:
+
+* ``const``: parameters, buffers and what is computed from them alone;
+* ``position``: values that depend on positions only (``arange(T)``, ``wpe(arange(T))``,
+  rotary tables ``cos[:T]``, run-time causal masks), never on tokens;
+* ``token``: values that depend on the tokens; each has exactly one *time axis* (the dim whose
+  size is the symbol ``T``) and row ``i`` of it depends on tokens and positions at ``i`` only;
+* ``shape``: symbolic integers (``sym_size``), allowed only as sizes.
+
+Time axes are read from the symbolic shapes in ``node.meta["val"]``, never from names. The op
+rules (a table, :data:`_RULES`) accept an op only when it acts on each time slice separately:
+pointwise ops (``torch.Tag.pointwise``) whose broadcast keeps time axes aligned, layout ops,
+reshapes that keep the sizes before the time axis, products and norms that contract or reduce
+other axes, ``embedding``/``index`` by position or token indices, splits and reductions over
+other axes. The site nodes are the only sequence mixers allowed: q, k and v carry their time
+axis at dim -2. Unknown ops on const values are fine (they cannot depend on positions);
+unknown ops on anything else are refused, so a missing rule costs a refusal, never a wrong
+cache. Example::
+
+    plan = analyse_positions(gm, tokens, sites)      # nanoGPT
+    plan.shifted    # [arange]                 -> arange(offset, offset + t)
+    plan.bounds     # [("wpe.weight rows", 256)]
+
+and a causal convolution over time is refused with
+``aten.conv1d at model.py:12 (conv) is not known to act on each position separately``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+
+from ..canon import meta_value, shape_of
+from .find_sites import _where
+from .masks import _same
+
+aten = torch.ops.aten
+
+CONST, POSITION, TOKEN, SHAPE = "const", "position", "token", "shape"
+_ORDER = {SHAPE: 0, CONST: 0, POSITION: 1, TOKEN: 2}
+_FULL = 2**63 - 1  # the end ``x[a:]`` records
+
+
+class PositionError(ValueError):
+    """The graph cannot run on new tokens with a KV cache; the message names the op and line."""
+
+
+class _Refuse(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A poisoned value: the first node that made the graph unsafe to cache, and why."""
+
+    node: fx.Node
+    reason: str
+
+
+@dataclass
+class PositionPlan:
+    """What the cached model must change: the position readers to shift, and the length bounds."""
+
+    seq: sympy.Expr
+    shifted: list[fx.Node] = field(default_factory=list)  # arange(0, T) and x[..., 0:T] of const tables
+    bounds: list[tuple[str, int]] = field(default_factory=list)  # (what, rows): positions must stay below rows
+    kinds: dict[fx.Node, str] = field(default_factory=dict)
+
+    @property
+    def max_positions(self) -> int | None:
+        return min((rows for _, rows in self.bounds), default=None)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _expr(x: Any) -> Any:
+    if isinstance(x, fx.Node):
+        x = meta_value(x)
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return x
+
+
+def _involves(x: Any, seq: sympy.Expr) -> bool:
+    e = _expr(x)
+    return isinstance(e, sympy.Expr) and seq in e.free_symbols
+
+
+def _is_seq(x: Any, seq: sympy.Expr) -> bool:
+    return _expr(x) == seq
+
+
+def _flat(a: Any) -> list[Any]:
+    if isinstance(a, (list, tuple)):
+        return [y for x in a for y in _flat(x)]
+    if isinstance(a, dict):
+        return [y for x in a.values() for y in _flat(x)]
+    return [a]
+
+
+def _name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"aten.{t.__name__.split('.')[0]}"
+    return getattr(t, "__name__", str(t))
+
+
+def describe(node: fx.Node) -> str:
+    """``aten.cumsum at model.py:12 (h.0.mix)``: the op and the user code that produced it."""
+    path, source = _where(node)
+    at = f" at {source}" if source else ""
+    return f"{_name(node)}{at}" + (f" ({path})" if path else "")
+
+
+class _Analysis:
+    def __init__(self, gm: fx.GraphModule, tokens: fx.Node, sites: Collection[fx.Node],
+                 notes: Mapping[fx.Node, str] | None = None):
+        shape = shape_of(tokens)
+        if shape is None or len(shape) != 2 or not isinstance(shape[1], torch.SymInt):
+            raise PositionError(
+                "the captured graph has no symbolic sequence length (the tokens' dim 1 was specialised to "
+                f"{shape[1] if shape else '?'}); the model must accept any length up to its maximum")
+        self.gm = gm
+        self.seq = shape[1].node.expr
+        self.sites = set(sites)
+        self.notes = dict(notes or {})
+        self.plan = PositionPlan(self.seq)
+        self.kinds: dict[fx.Node, str | Refused] = {tokens: TOKEN}
+
+    # -- per-node facts
+    def axes(self, x: Any) -> tuple[int, ...]:
+        s = shape_of(x)
+        return tuple(i for i, d in enumerate(s) if _is_seq(d, self.seq)) if s is not None else ()
+
+    def kind(self, x: Any) -> str:
+        if isinstance(x, fx.Node):
+            k = self.kinds[x]
+            assert isinstance(k, str)
+            return k
+        if isinstance(x, torch.Tensor):
+            return CONST
+        return SHAPE
+
+    def sized(self, sizes: Any, what: str) -> None:
+        """Sizes may name the sequence length only as exactly ``T`` (a whole time axis)."""
+        for s in _flat(sizes):
+            if _involves(s, self.seq) and not _is_seq(s, self.seq):
+                raise _Refuse(f"{what} has a size computed from the sequence length ({_expr(s)}), so it would "
+                              "differ between the full sequence and the new tokens")
+
+    def no_length(self, values: Any) -> None:
+        for s in _flat(values):
+            if _involves(s, self.seq):
+                raise _Refuse(f"uses the sequence length ({_expr(s)}) as a value, so its result depends on how "
+                              "many tokens are processed at once")
+
+    # -- the walk
+    def run(self) -> PositionPlan:
+        for node in self.gm.graph.nodes:
+            if node in self.kinds:
+                continue
+            self.kinds[node] = self.visit(node)
+        self.plan.kinds = {n: k for n, k in self.kinds.items() if isinstance(k, str)}
+        return self.plan
+
+    def visit(self, node: fx.Node) -> str | Refused:
+        if node.op == "placeholder":
+            return SHAPE if not isinstance(meta_value(node), torch.Tensor) else CONST
+        if node.op == "get_attr":
+            return CONST
+        if node.op == "output":
+            return self.output(node)
+        for inp in node.all_input_nodes:
+            k = self.kinds[inp]
+            if isinstance(k, Refused):
+                return k
+        try:
+            if node.op == "call_module" and node in self.sites:
+                kind = self.site(node)
+            elif node.op == "call_function":
+                kind = self.function(node)
+            else:
+                raise _Refuse("is not known to act on each position separately")
+            if kind == TOKEN and isinstance(meta_value(node), torch.Tensor) and len(self.axes(node)) != 1:
+                n = len(self.axes(node))
+                raise _Refuse("mixes positions: its result has " + ("no sequence axis left" if n == 0 else
+                                                                     f"{n} sequence axes"))
+            return kind
+        except _Refuse as e:
+            return Refused(node, str(e))
+
+    def output(self, node: fx.Node) -> str:
+        outs = _flat(node.args)
+        for o in outs:
+            if isinstance(o, fx.Node) and isinstance(self.kinds[o], Refused):
+                r = self.kinds[o]
+                assert isinstance(r, Refused)
+                note = self.notes.get(r.node)
+                raise PositionError(f"{describe(r.node)} {r.reason}" + (f"; {note}" if note else ""))
+        for o in outs:
+            if isinstance(o, fx.Node) and (self.kinds[o] != TOKEN or self.axes(o) != (1,)):
+                raise PositionError(f"the model's output `{o.name}` with shape {list(shape_of(o) or [])} is not "
+                                    "one row per position (B, T, ...) computed from the tokens")
+        return TOKEN
+
+    def site(self, node: fx.Node) -> str:
+        q, k, v = node.args[:3]
+        self.no_length(node.args[3:])
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            s = shape_of(x)
+            if s is None or self.axes(x) != (len(s) - 2,):
+                raise _Refuse(f"attention {name} has no sequence axis at dim -2 (shape {list(s or [])}), so it is "
+                              "not self-attention over the sequence")
+        return max((self.kind(x) for x in (q, k, v)), key=_ORDER.__getitem__)
+
+    def function(self, node: fx.Node) -> str:
+        target = node.target
+        inputs = node.all_input_nodes
+        if not isinstance(target, torch._ops.OpOverload):
+            if all(self.kind(i) == SHAPE for i in inputs) and not isinstance(meta_value(node), torch.Tensor):
+                return SHAPE  # arithmetic on sizes: operator.mul(s0, 4), sym_float, ...
+            if target is operator.getitem:
+                return self.kind(node.args[0])
+            raise _Refuse("is not known to act on each position separately")
+        if torch.Tag.nondeterministic_seeded in target.tags and not _is_inactive_dropout(node):
+            raise _Refuse("is random (dropout active? call model.eval() before generating)")
+        tensor_kinds = [self.kind(i) for i in inputs if self.kind(i) != SHAPE]
+        if all(k == CONST for k in tensor_kinds) and not any(_involves(a, self.seq) for a in _flat(node.args)
+                                                              + _flat(node.kwargs)):
+            return CONST  # computed from parameters and buffers alone
+        packet = target.overloadpacket
+        if packet in _METADATA:
+            return SHAPE  # sizes and checks on them, never tensor values
+        rule = _pointwise if torch.Tag.pointwise in target.tags else _RULES.get(packet)
+        if rule is None:
+            raise _Refuse("is not known to act on each position separately")
+        kw = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        if kw is None:
+            raise _Refuse("has arguments attnopt cannot read")
+        return rule(self, node, kw.kwargs)
+
+    def strongest(self, xs: Any) -> str:
+        kinds = [self.kind(x) for x in _flat(xs) if isinstance(x, fx.Node) and self.kind(x) != SHAPE]
+        return max(kinds, key=_ORDER.__getitem__, default=CONST)
+
+
+def _is_inactive_dropout(node: fx.Node) -> bool:
+    if node.target is not aten.dropout.default:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+    return train is False or p == 0
+
+
+def _dim(d: Any, nd: int) -> int:
+    if not isinstance(d, int):
+        raise _Refuse(f"has a dimension {d!r} that is not a number known at capture")
+    return d + nd if d < 0 else d
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _pointwise(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """Elementwise ops: every input's time axis lands, right-aligned, on a time axis of the result."""
+    out = a.axes(node)
+    rank = len(shape_of(node) or ())
+    tensors = [x for x in _flat(kw) if isinstance(x, fx.Node) and a.kind(x) != SHAPE]
+    a.no_length([x for x in _flat(kw) if not (isinstance(x, fx.Node) and a.kind(x) != SHAPE)])
+    for x in tensors:
+        shift = rank - len(shape_of(x) or ())
+        if any(i + shift not in out for i in a.axes(x)):
+            raise _Refuse("broadcasts a sequence axis onto another axis")
+    return a.strongest(tensors)
+
+
+def _same_layout(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """Data movement that keeps every element's position: transpose, permute, casts, copies."""
+    x = kw.get("self", kw.get("input"))
+    a.no_length({k: v for k, v in kw.items() if k not in ("self", "input", "size")})
+    a.sized(kw.get("size", ()), "the expanded tensor")
+    src = a.axes(x)
+    if len(a.axes(node)) < len(src):
+        raise _Refuse("drops or merges a sequence axis")
+    if len(a.axes(node)) > len(src) and a.kind(x) == TOKEN:
+        raise _Refuse("repeats a token tensor along the sequence")
+    return a.kind(x)
+
+
+def _dropout(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    if not _is_inactive_dropout(node):
+        raise _Refuse("is active dropout (the model is in training mode); call model.eval() before generating")
+    return a.kind(kw["input"])
+
+
+def _prod(xs: Any) -> Any:
+    return math.prod(xs, start=1)
+
+
+def _reshape(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """view/reshape keep each time slice when the sizes before the time axis multiply to the same."""
+    x = kw.get("self", kw.get("input"))
+    a.sized(kw.get("size", kw.get("shape", ())), "the reshaped tensor")
+    a.no_length({k: v for k, v in kw.items() if k not in ("self", "input", "size", "shape")})
+    src, dst = a.axes(x), a.axes(node)
+    s_in, s_out = shape_of(x) or (), shape_of(node) or ()
+    if len(src) != len(dst):
+        raise _Refuse("merges the sequence axis with another axis (reshape)")
+    for i, j in zip(src, dst):
+        if not _same(_prod(s_in[:i]), _prod(s_out[:j])):
+            raise _Refuse("moves data across positions (reshape changes the sizes before the sequence axis)")
+    return a.kind(x)
+
+
+def _along(*names: str, default_all: bool = False):
+    """Ops over one or more named dims (softmax, split, sum, ...): those dims must not be time axes."""
+
+    def rule(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+        x = kw.get("self", kw.get("input", kw.get("tensors")))
+        first = _flat(x)[0]
+        nd = len(shape_of(first) or ())
+        dims: list[Any] = []
+        for n in names:
+            d = kw.get(n)
+            dims.extend(d if isinstance(d, (list, tuple)) else [] if d is None else [d])
+        if not dims and default_all:
+            dims = list(range(nd))
+        axes = set().union(*(a.axes(t) for t in _flat(x) if isinstance(t, fx.Node)))
+        hit = [d for d in dims if _dim(d, nd) in axes]
+        if hit:
+            raise _Refuse(f"works along the sequence axis (dim {hit[0]})")
+        a.no_length({k: v for k, v in kw.items() if k not in ("self", "input", "tensors")})
+        return a.strongest(x)
+
+    return rule
+
+
+def _norm(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """layer_norm / rms_norm normalise the last ``len(normalized_shape)`` dims."""
+    x = kw["input"]
+    nd = len(shape_of(x) or ())
+    if any(i >= nd - len(kw["normalized_shape"]) for i in a.axes(x)):
+        raise _Refuse("normalises over the sequence axis")
+    for p in ("weight", "bias"):
+        if isinstance(kw.get(p), fx.Node) and a.kind(kw[p]) != CONST:
+            raise _Refuse(f"has a {p} computed from the sequence")
+    return a.kind(x)
+
+
+def _product(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``a @ b`` contracts a's last and b's second-to-last dim: neither may be a time axis."""
+    x = kw.get("self", kw.get("input"))
+    w = kw.get("mat2", kw.get("other", kw.get("weight")))
+    linear = node.target.overloadpacket is aten.linear  # type: ignore[union-attr]
+    nx, nw = len(shape_of(x) or ()), len(shape_of(w) or ())
+    if nx < 2 and a.axes(x) or nw < 2 and a.axes(w):
+        raise _Refuse("contracts over the sequence axis")
+    if nx - 1 in a.axes(x) or (nw - (1 if linear else 2)) in a.axes(w):
+        raise _Refuse("contracts over the sequence axis (a product across positions: attention that is not "
+                      "a proven causal site?)")
+    if linear and (a.kind(w) != CONST or isinstance(kw.get("bias"), fx.Node) and a.kind(kw["bias"]) != CONST):
+        raise _Refuse("has weights computed from the sequence")
+    return a.strongest([x, w, kw.get("bias")])
+
+
+def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``embedding(table, idx)`` / ``table[idx]``: one row per index; a position index reads row i."""
+    if node.target.overloadpacket is aten.embedding:  # type: ignore[union-attr]
+        table, idx = kw["weight"], kw["indices"]
+    else:
+        table, indices = kw["self"], kw["indices"]
+        if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+            raise _Refuse("indexes with more than one index tensor")
+        idx = indices[0]
+    if a.kind(table) != CONST:
+        raise _Refuse("gathers from a tensor computed from the sequence")
+    kind = a.kind(idx)
+    if kind == POSITION:
+        a.plan.bounds.append((f"{describe(node)} table rows", int((shape_of(table) or (0,))[0])))
+    return kind
+
+
+def _arange(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    start, end, step = kw.get("start", 0), kw.get("end"), kw.get("step", 1)
+    a.no_length([kw.get("dtype"), kw.get("device")])
+    if start in (0, None) and _is_seq(end, a.seq) and step in (1, None):
+        a.plan.shifted.append(node)
+        return POSITION
+    raise _Refuse(f"counts over a range computed from the sequence length ({_expr(start)}, {_expr(end)}, "
+                  f"{_expr(step)}); only arange(T) is understood")
+
+
+def _slice(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    x, start, end, step = kw["self"], kw.get("start"), kw.get("end"), kw.get("step", 1)
+    nd = len(shape_of(x) or ())
+    d = _dim(kw.get("dim", 0), nd)
+    full_len = (shape_of(x) or ())[d]
+    if d in a.axes(x):  # slicing the sequence itself: only the whole of it keeps positions
+        if start in (0, None) and step == 1 and (_is_seq(end, a.seq) or end == _FULL):
+            return a.kind(x)
+        raise _Refuse("slices the sequence axis (e.g. keeps only the last positions)")
+    if not (_involves(start, a.seq) or _involves(end, a.seq)):
+        a.no_length([step])
+        return a.kind(x)
+    if a.kind(x) == TOKEN:
+        raise _Refuse("slices a token tensor by the sequence length")
+    if start in (0, None) and _is_seq(end, a.seq) and step == 1:  # table[:T] is table[arange(T)]
+        a.plan.shifted.append(node)
+        if isinstance(full_len, int):
+            a.plan.bounds.append((f"{describe(node)} table rows", full_len))
+        return POSITION
+    raise _Refuse(f"slices a table by a range computed from the sequence length ({_expr(start)}:{_expr(end)})")
+
+
+def _factory(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """ones/zeros/full/empty (and ``new_*``/``*_like``): sizes may be T; the values are the same everywhere."""
+    a.sized(kw.get("size", ()), "the created tensor")
+    a.no_length({k: v for k, v in kw.items() if k not in ("size", "self", "input")})
+    return POSITION if a.axes(node) else CONST
+
+
+def _cat(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    tensors = kw["tensors"]
+    out = a.axes(node)
+    for t in tensors:
+        if len(shape_of(t) or ()) == len(shape_of(node) or ()) and a.axes(t) != out:
+            raise _Refuse("concatenates tensors whose sequence axes do not line up")
+    return _along("dim")(a, node, kw)
+
+
+def _stack(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    axes = {a.axes(t) for t in kw["tensors"]}
+    if len(axes) != 1:
+        raise _Refuse("stacks tensors whose sequence axes do not line up")
+    return a.strongest(kw["tensors"])
+
+
+_P = aten
+#: Ops that read only sizes or check them; they return no tensor values.
+_METADATA = {_P.sym_size, _P.sym_numel, _P.sym_stride, _P.sym_storage_offset, _P._assert_scalar,
+             _P.sym_constrain_range, _P.sym_constrain_range_for_size, _P._assert_tensor_metadata}
+_RULES: dict[Any, Any] = {
+    **{op: _same_layout for op in (
+        _P.transpose, _P.permute, _P.unsqueeze, _P.squeeze, _P.t, _P.alias, _P.clone, _P.contiguous,
+        _P.detach, _P._to_copy, _P.to, _P.type_as, _P.lift_fresh_copy, _P.view_as_complex, _P.view_as_real,
+        _P.expand, _P.expand_as, _P.real, _P.imag, _P.resolve_conj, _P.movedim, _P.swapaxes)},
+    _P.dropout: _dropout,
+    **{op: _reshape for op in (_P.view, _P.reshape, _P._unsafe_view, _P.flatten, _P.unflatten)},
+    **{op: _along("dim") for op in (
+        _P.split, _P.split_with_sizes, _P.chunk, _P.unbind, _P.select, _P.narrow, _P.softmax, _P._softmax,
+        _P.log_softmax, _P._log_softmax, _P.cumsum, _P.cumprod, _P.index_select, _P.topk, _P.sort,
+        _P.logsumexp)},
+    **{op: _along("dim", default_all=True) for op in (
+        _P.sum, _P.mean, _P.amax, _P.amin, _P.var, _P.std, _P.prod, _P.any, _P.all, _P.norm,
+        _P.linalg_vector_norm, _P.max, _P.min, _P.argmax, _P.argmin)},
+    **{op: _along("dims") for op in (_P.flip, _P.roll)},
+    _P.layer_norm: _norm, _P.native_layer_norm: _norm, _P.rms_norm: _norm,
+    _P.matmul: _product, _P.mm: _product, _P.bmm: _product, _P.linear: _product,
+    _P.embedding: _lookup, _P.index: _lookup,
+    _P.arange: _arange,
+    _P.slice: _slice,
+    **{op: _factory for op in (
+        _P.ones, _P.zeros, _P.full, _P.empty, _P.new_ones, _P.new_zeros, _P.new_full, _P.new_empty,
+        _P.ones_like, _P.zeros_like, _P.full_like, _P.empty_like, _P.scalar_tensor)},
+    _P.cat: _cat, _P.stack: _stack,
+}
+
+
+def analyse_positions(gm: fx.GraphModule, tokens: fx.Node, sites: Collection[fx.Node],
+                      notes: Mapping[fx.Node, str] | None = None) -> PositionPlan:
+    """Prove that ``gm``'s output at position ``i`` depends on positions ``<= i`` only through ``sites``.
+
+    Args:
+        gm: an ATen graph with a symbolic sequence length (``torch.export`` with a dynamic dim),
+            whose outputs are the rows to keep (e.g. only the logits).
+        tokens: the placeholder holding the token ids, ``(B, T)``.
+        sites: ``call_module`` nodes ``(q, k, v, ...)`` that attend causally over the sequence.
+        notes: words added to a refusal at these nodes (e.g. "part of an attention that is not causal").
+
+    Raises:
+        PositionError: an op mixes positions or reads the sequence length; the message names it.
+    """
+    return _Analysis(gm, tokens, sites, notes).run()
+
+
+def offset_positions(gm: fx.GraphModule, plan: PositionPlan, offset: fx.Node) -> fx.GraphModule:
+    """Shift every position reader of ``plan`` by ``offset``: ``arange(T)`` -> ``arange(offset, offset + t)``,
+    ``table[:T]`` -> ``table[offset:offset + t]``. Ends with ``lint()`` and ``recompile()``."""
+    graph = gm.graph
+    for node in plan.shifted:
+        kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        assert kw is not None
+        kwargs = dict(kw.kwargs)
+        with graph.inserting_before(node):
+            kwargs["end"] = graph.call_function(operator.add, (offset, kwargs["end"]))
+        kwargs["start"] = offset
+        if node.target.overloadpacket is aten.arange:  # type: ignore[union-attr]
+            kwargs.pop("step", None)
+            node.target = aten.arange.start
+        node.args, node.kwargs = (), kwargs
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+__all__ = ["PositionError", "PositionPlan", "analyse_positions", "describe", "offset_positions"]
