@@ -16,6 +16,9 @@ Kinds and canonical ``args``:
 
 ========== =============================================================
 matmul     ``(a, b, b_transposed)``: ``a @ b`` or, when transposed, ``a @ b.mT``
+baddbmm    ``(input, a, b, beta, alpha)``: ``beta * input + alpha * (a @ b)`` (function, method, in place)
+unary      ``(x, name)``: an elementwise function of one tensor (``tanh``), as in score modifiers
+repeat_interleave ``(x, repeats, dim)`` with ``dim`` normalised to non-negative
 transpose  ``(x, d0, d1)`` with dims normalised to non-negative
 permute    ``(x, dims)``
 scale      ``(x, factor, "mul" | "div")``: a product or quotient with a scalar
@@ -30,9 +33,13 @@ eq / ne    ``(a, b)``
 not        ``(x,)``
 tril/triu  ``(x, diagonal)``
 getitem    ``(x, index)``
-view       ``(x,)``: view/reshape/unsqueeze/expand: a reshaping whose result shape is in meta
-factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like
+view       ``(x,)``: view/reshape/unsqueeze/expand/broadcast_to: a reshaping whose result shape is in meta
+factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like/zeros/empty (fill None)
 ========== =============================================================
+
+In-place methods (``mul_``, ``div_``, ``add_``, ``masked_fill_``, ``baddbmm_``, ``tanh_``) read
+as their functional kind; :func:`functionalize_inplace` first makes every later use of the
+mutated tensor read the in-place node, so the chain is a plain data-flow path.
 """
 
 from __future__ import annotations
@@ -145,6 +152,36 @@ Reader = Callable[[fx.Node, Any], "Op | None"]
 
 def _matmul(node: fx.Node, _: Any) -> Op:
     return Op("matmul", (node.args[0], node.args[1], False), _spell(node))
+
+
+def _baddbmm(node: fx.Node, _: Any) -> Op:
+    inp = node.args[0]
+    a, b = _arg(node, 1, "batch1"), _arg(node, 2, "batch2")
+    beta = _arg(node, 3, "beta", 1) if node.op == "call_function" and node.target is aten.baddbmm.default \
+        else node.kwargs.get("beta", 1)
+    alpha = _arg(node, 4, "alpha", 1) if node.op == "call_function" and node.target is aten.baddbmm.default \
+        else node.kwargs.get("alpha", 1)
+    if a is None or b is None:
+        raise ValueError("baddbmm without both batch operands")
+    return Op("baddbmm", (inp, a, b, beta, alpha), _spell(node))
+
+
+def _unary(name: str) -> Reader:
+    def read_(node: fx.Node, _: Any) -> Op | None:
+        if len(node.args) != 1 or node.kwargs:
+            return None
+        return Op("unary", (node.args[0], name), _spell(node))
+
+    return read_
+
+
+def _repeat_interleave(node: fx.Node, _: Any) -> Op | None:
+    x = node.args[0]
+    reps = _arg(node, 1, "repeats")
+    dim = _arg(node, 2, "dim")
+    if dim is None:
+        return None
+    return Op("repeat_interleave", (x, reps, _norm_dim(dim, _ndim(x))), _spell(node))
 
 
 _EINSUM_TERM = re.compile(r"^(\.\.\.)?([a-zA-Z]*)$")
@@ -411,6 +448,11 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.ones: _factory(None, 1), torch.ones_like: _factory(None, 1), aten.ones.default: _factory(None, 1),
     torch.full: _factory(1), aten.full.default: _factory(1),
     torch.zeros: _factory(None, 0), aten.zeros.default: _factory(None, 0),
+    torch.empty: _factory(None, None), aten.empty.memory_format: _factory(None, None),
+    torch.broadcast_to: _view,
+    torch.baddbmm: _baddbmm, aten.baddbmm.default: _baddbmm,
+    torch.tanh: _unary("tanh"), F.tanh: _unary("tanh"), aten.tanh.default: _unary("tanh"),
+    torch.repeat_interleave: _repeat_interleave, aten.repeat_interleave.self_int: _repeat_interleave,
 }
 
 _METHODS: dict[str, Reader] = {
@@ -429,7 +471,15 @@ _METHODS: dict[str, Reader] = {
     "tril": _tri("tril"), "triu": _tri("triu"),
     "view": _view, "reshape": _view, "unsqueeze": _view, "expand": _view,
     "new_ones": _factory(None, 1), "new_full": _factory(2), "new_zeros": _factory(None, 0),
+    "new_empty": _factory(None, None), "broadcast_to": _view,
+    "baddbmm": _baddbmm, "tanh": _unary("tanh"), "repeat_interleave": _repeat_interleave,
+    # in place: functionalize_inplace makes later uses read these nodes
+    "mul_": _scale_or_binary("mul"), "div_": _scale_or_binary("div"), "add_": _scale_or_binary("add"),
+    "masked_fill_": _masked_fill, "baddbmm_": _baddbmm, "tanh_": _unary("tanh"),
 }
+
+#: In-place methods whose result is their first argument, mutated.
+INPLACE_METHODS = frozenset(("mul_", "div_", "add_", "masked_fill_", "baddbmm_", "tanh_"))
 
 _MODULES: dict[type, Reader] = {
     torch.nn.Softmax: _softmax_module,
@@ -462,3 +512,45 @@ def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
         return reader(node, context)
     except (IndexError, KeyError, TypeError, ValueError):
         return None
+
+
+#: Kinds whose result is always a new tensor (never a view of an input), so mutating it in place
+#: changes nothing else.
+_FRESH_KINDS = frozenset(("matmul", "baddbmm", "scale", "add", "mul", "div", "masked_fill", "where", "unary"))
+
+
+def functionalize_inplace(gm: fx.GraphModule) -> int:
+    """Make every use of a tensor after an in-place method on it read that method's node.
+
+    ``s.div_(c)`` leaves later code reading ``s`` (dynamo keeps the name), so the data flow
+    ``s -> div_ -> softmax`` is invisible in the graph. For a tensor that an out-of-place op
+    created (no other tensor can alias it) and that nobody read before the in-place call, the
+    later users are pointed at the in-place node, which returns the same tensor: values are
+    unchanged and the chain reads like functional code. Returns how many nodes were rewired.
+
+    Example::
+
+        s = q @ kT; s.div_(8.0); p = s.softmax(-1)   ->   p = div_.softmax(-1)
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method" or node.target not in INPLACE_METHODS or not node.args:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node):
+            continue
+        op = read(src, gm)
+        fresh = op is not None and op.kind in _FRESH_KINDS and src.op in ("call_function", "call_method")
+        if not fresh:
+            continue
+        if any(order[u] < order[node] for u in src.users if u is not node):
+            continue  # read before the mutation (maybe a view): leave the graph as it is
+        later = [u for u in src.users if u is not node and order[u] > order[node]]
+        for u in later:
+            u.replace_input_with(src, node)
+            changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed

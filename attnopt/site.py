@@ -10,6 +10,7 @@ receives.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,12 @@ class AttentionSpec:
             written) or ``"math"`` (an added mask: run the reference computation for calls
             that have such rows, since SDPA's fused backward loses the 1/Tk normalisation there).
         score_mod: description of an elementwise score modifier between the product and the
-            softmax (e.g. tanh soft-capping), or None; the site module holds the callable.
+            softmax (e.g. tanh soft-capping), or None; the site module holds the callable
+            (:class:`ElementwiseScoreMod`).
+        fill_value: a finite fill such as ``masked_fill(m, -1e4)``: the mask reaches the candidate
+            as the dtype's minimum, which equals the fill as written only when every kept score
+            provably dwarfs it; the site checks that bound on every call and otherwise computes
+            the fill as written (see ``passes/rewrite_sdpa.BoundedFillSite``).
         gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
             ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
@@ -67,6 +73,7 @@ class AttentionSpec:
     runtime_dropout: bool = False
     min_rows: str = "none"
     score_mod: str | None = None
+    fill_value: float | None = None
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -82,7 +89,9 @@ class AttentionSpec:
 
     def describe(self) -> str:
         parts = [f"scale={self.scale:.6g}" + (" x run-time value" if self.runtime_scale else "")]
-        if self.causal:
+        if self.fill_value is not None:
+            parts.append(f"mask filled with {self.fill_value:g} (bounded)")
+        elif self.causal:
             parts.append(f"causal ({self.causal.replace('_', '-')})")
         elif self.mask != "none":
             parts.append(f"{self.mask} mask")
@@ -93,6 +102,40 @@ class AttentionSpec:
         if self.score_mod:
             parts.append(f"score_mod {self.score_mod}")
         return ", ".join(parts)
+
+
+_UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tanh": torch.tanh}
+
+
+@dataclass(frozen=True)
+class ElementwiseScoreMod:
+    """A score modifier read from the graph: elementwise steps applied to the scaled score, in order.
+
+    Steps are ``("tanh",)`` or ``("mul", c)``; called with FlexAttention's signature
+    ``(score, b, h, q_idx, kv_idx)`` (the indices are unused: the function is elementwise).
+
+    >>> ElementwiseScoreMod((("tanh",), ("mul", 30.0))).describe()
+    '30*tanh(s)'
+    """
+
+    steps: tuple[tuple[Any, ...], ...]
+
+    def __post_init__(self) -> None:
+        for step in self.steps:
+            if step[0] not in _UNARY and not (step[0] == "mul" and len(step) == 2 and isinstance(step[1], float)):
+                raise ValueError(f"unknown score modifier step {step!r}; known: {sorted(_UNARY)} and ('mul', c)")
+
+    def __call__(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        for step in self.steps:
+            score = score * step[1] if step[0] == "mul" else _UNARY[step[0]](score)
+        return score
+
+    def describe(self) -> str:
+        expr = "s"
+        for step in self.steps:
+            expr = f"{step[1]:g}*{expr}" if step[0] == "mul" else f"{step[0]}({expr})"
+        return expr
 
 
 @dataclass

@@ -29,14 +29,14 @@ Example: nanoGPT's block yields one Match with ``spec.describe() == "scale=0.125
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ..canon import Op, dtype_of, is_scalar, is_zero_dim_tensor, meta_value, read, shape_of
-from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, SiteRecord
+from ..canon import Op, dtype_of, functionalize_inplace, is_scalar, is_zero_dim_tensor, meta_value, read, shape_of
+from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, SiteRecord
 from .masks import Add, Fill, MaskPlan, _same, plan_mask
 
 
@@ -58,6 +58,7 @@ class Match:
     dropout_p: Any = None  # a run-time dropout probability node, when not a constant
     dropout_module: str | None = None
     internal: list[fx.Node] = field(default_factory=list)
+    score_mod: ElementwiseScoreMod | None = None
 
 
 class NearMiss(Exception):
@@ -216,6 +217,10 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         if op is None:
             raise NearMiss(f"the scores pass through `{cur.name}` ({getattr(cur.target, '__name__', cur.target)}) "
                            "between the product and the softmax", NOT_ATTENTION)
+        if op.kind == "baddbmm":
+            _baddbmm_terms(op, chain, record)
+            product = cur
+            break
         nxt = _step_back(op, cur, chain, record)
         if nxt is None:
             if op.kind == "matmul":
@@ -231,36 +236,57 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     pop = read(product, gm)
     assert pop is not None
     record.spelling = [pop.spelling, *reversed(record.spelling), *post_spelling]
-    q, k_t, k_transposed = pop.args
-    # ---- scale, then masks, in program order
+    q, k_t, k_transposed = pop.args if pop.kind == "matmul" else (pop.args[1], pop.args[2], False)
+    # ---- scale, score modifier, then masks, in program order
     scale = 1.0
     scale_tensors: list[tuple[Any, str]] = []
     scale_nodes: list[tuple[Any, str]] = []
     masks: list[Any] = []
+    mods: list[tuple[Any, ...]] = []
     for kind, payload in chain:
-        if kind == "scale":
+        if kind == "mod":
             if masks:
-                raise NearMiss("the scale is applied after a mask; only scale-then-mask is rewritten so far")
-            factor, how = payload
-            value = _scale_value(factor)
-            if value is None:
-                if isinstance(factor, fx.Node) and is_zero_dim_tensor(factor):
-                    scale_tensors.append((factor, how))
-                    continue
-                if is_scalar(factor):  # a number only known at run time (e.g. a float module attribute)
-                    scale_nodes.append((factor, how))
-                    continue
-                raise NearMiss(f"the scale `{factor}` is not a number known at capture")
-            if how == "div":
-                if value == 0:
-                    raise NearMiss("the scores are divided by zero")
-                scale = scale / value
-            else:
-                scale = scale * value
-        elif kind == "mask":
+                raise NearMiss(f"the score modifier {payload[0]} is applied after a mask (it would change the "
+                               "masked scores too)")
+            mods.append(payload)
+            continue
+        if kind == "mask":
             masks.append(payload)
+            continue
+        factor, how = payload
+        value = _scale_value(factor)
+        if mods or masks:
+            if value is None or value == 0 or not math.isfinite(value):
+                raise NearMiss(f"the scores are scaled by `{factor}` after a "
+                               f"{'score modifier' if mods and not masks else 'mask'}; only constant non-zero "
+                               "factors are rewritten there")
+            c = value if how == "mul" else 1.0 / value
+        if masks:  # scale after a mask: the masked values are scaled too
+            if c <= 0:
+                raise NearMiss(f"the scores are scaled by {c:g} after a mask; a negative factor turns the mask over")
+            masks = [_scaled_mask(t, c, how, value) for t in masks]
+            scale *= c
+            continue
+        if mods:
+            mods.append(("mul", c))
+            continue
+        if value is None:
+            if isinstance(factor, fx.Node) and is_zero_dim_tensor(factor):
+                scale_tensors.append((factor, how))
+                continue
+            if is_scalar(factor):  # a number only known at run time (e.g. a float module attribute)
+                scale_nodes.append((factor, how))
+                continue
+            raise NearMiss(f"the scale `{factor}` is not a number known at capture")
+        if how == "div":
+            if value == 0:
+                raise NearMiss("the scores are divided by zero")
+            scale = scale / value
+        else:
+            scale = scale * value
     if not math.isfinite(scale):
         raise NearMiss(f"the scale {scale} is not finite")
+    score_mod = ElementwiseScoreMod(tuple(mods)) if mods else None
 
     # ---- operands: q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv]
     k = None
@@ -290,15 +316,20 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
 
     gqa = False
     k_src, v_src = k, v
-    if not all(_same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
-            not all(_same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2])):  # type: ignore[index]
+    heads_differ = not all(_same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
+        not all(_same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2]))  # type: ignore[index]
+    if heads_differ and len(q_shape) == 4 and _same(q_shape[0], key_shape[0]) and _same(q_shape[0], v_shape[0]) \
+            and _same(key_shape[1], 1) and _same(v_shape[1], 1):  # type: ignore[index]
+        gqa = True  # one key/value head broadcast against every query head: enable_gqa with Hkv = 1
+        record.spelling.append("one kv head (broadcast)")
+    elif heads_differ:
         raise NearMiss(f"batch/head dims of q {list(q_shape[:-2])}, k {list(key_shape[:-2])} and "  # type: ignore
                        f"v {list(v_shape[:-2])} differ (broadcast inside the product)")
-    if len(q_shape) == 4 and k is not None:  # type: ignore[arg-type]
-        k0, v0 = _repeat_kv_source(gm, k), _repeat_kv_source(gm, v)
+    elif len(q_shape) == 4 and k is not None:  # type: ignore[arg-type]
+        (k0, how_k), (v0, how_v) = _kv_source(gm, k), _kv_source(gm, v)
         if k0 is not None and v0 is not None and _same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore
             k_src, v_src, gqa = k0, v0, True
-            record.spelling.append("repeat_kv")
+            record.spelling.append(how_k if how_k == how_v else f"{how_k}/{how_v}")
     if not (_same(out_shape[-2], tq) and _same(out_shape[-1], v_shape[-1])):  # type: ignore[index]
         raise NearMiss("the output shape is not [..., Tq, Dv]")
 
@@ -318,7 +349,10 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     q_dtype, k_dtype, v_dtype = dtype_of(q), dtype_of(k if k is not None else k_t), dtype_of(v)
     if q_dtype != k_dtype or q_dtype is None or not q_dtype.is_floating_point:
         raise NearMiss(f"q and k have dtypes {q_dtype} and {k_dtype}")
-    if plan.kind == "additive":
+    if plan.bound_fill is not None and score_mod is not None:
+        raise NearMiss(f"the mask fills scores with {plan.bound_fill:g} after a score modifier; the bound that makes "
+                       "such a finite fill exact does not hold through the modifier")
+    if plan.kind == "additive" and plan.bound_fill is None:
         for t in masks:
             if isinstance(t, Fill) and t.value != -math.inf and t.dtype != q_dtype:
                 raise NearMiss(f"the scores are filled with the {t.dtype} minimum but SDPA adds masks in "
@@ -331,6 +365,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         dropout_p=float(dropout[0]) if dropout[1] != "off" and not runtime_p else 0.0, dropout_mode=dropout[1],
         runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
         gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
+        score_mod=score_mod.describe() if score_mod is not None else None, fill_value=plan.bound_fill,
     )
     if plan.kind != "none":
         record.spelling.append(f"mask({plan.fill_spelling}{', causal' if plan.causal else ''})")
@@ -338,7 +373,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     return Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
                  v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,
                  dropout_p=dropout[0] if runtime_p else None, dropout_module=dropout_module,
-                 internal=internal)
+                 internal=internal, score_mod=score_mod)
 
 
 def _same_shape(a: Any, b: Any) -> bool:
@@ -374,6 +409,13 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         chain.append(("mask", Fill(cond, v, dtype=dtype_of(node))))
         record.spelling.append(op.spelling)
         return x
+    if k == "unary":
+        x, name = op.args
+        if not isinstance(x, fx.Node):
+            return None
+        chain.append(("mod", (name,)))
+        record.spelling.append(op.spelling)
+        return x
     if k == "where":
         cond, a, b = op.args
         if isinstance(a, fx.Node) and _same_shape(a, node) and _scale_value(b) is not None:
@@ -399,15 +441,53 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
     return None
 
 
+def _baddbmm_terms(op: Op, chain: list[tuple[str, Any]], record: SiteRecord) -> None:
+    """``beta * input + alpha * (q @ kT)`` as chain entries: a scale ``alpha``, then the input as an added mask.
+
+    ``beta=0`` ignores the input (an uninitialised ``torch.empty`` included, NaN too); ``beta=1``
+    adds it, unless it is a tensor of zeros.
+    """
+    inp, _, _, beta, alpha = op.args
+    beta_v = _scale_value(beta)
+    if beta_v == 1.0:
+        fop = read(inp) if isinstance(inp, fx.Node) else None
+        if not (fop is not None and fop.kind == "factory" and fop.args[0] == 0):
+            if not isinstance(inp, fx.Node):
+                raise NearMiss(f"baddbmm adds the number {inp!r} to the scores")
+            chain.append(("mask", Add(inp)))
+            record.spelling.append("baddbmm(input=mask)")
+        else:
+            record.spelling.append("baddbmm(input=zeros)")
+    elif beta_v == 0.0:
+        record.spelling.append("baddbmm(beta=0)")
+    else:
+        raise NearMiss(f"baddbmm scales its input by beta={beta}; only beta=0 (input ignored) and beta=1 "
+                       "(input added) are rewritten")
+    if _scale_value(alpha) != 1.0:
+        chain.append(("scale", (alpha, "mul")))
+
+
+def _scaled_mask(term: Any, c: float, how: str, value: float) -> Any:
+    """A mask term as seen after the scores are scaled by ``c`` (``how``/``value`` as written)."""
+    if isinstance(term, Add):
+        raise NearMiss("the scores are scaled after an added mask; the rewrite does not scale masks passed in")
+    if term.value == -math.inf:
+        return term
+    dt = term.dtype or torch.float32
+    t = torch.tensor(term.value, dtype=dt)
+    scaled = (t * value if how == "mul" else t / value).item()
+    return replace(term, value=scaled)
+
+
 def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
     cur: Any = node
     for _ in range(depth):
         op = read(cur)
         if op is None:
             return False
-        if op.kind == "matmul":
+        if op.kind in ("matmul", "baddbmm"):
             return True
-        if op.kind in ("scale", "cast", "identity", "masked_fill"):
+        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary"):
             cur = op.args[0]
         elif op.kind == "where":
             cur = op.args[1] if isinstance(op.args[1], fx.Node) and _same_shape(op.args[1], cur) \
@@ -419,6 +499,33 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
         else:
             return False
     return False
+
+
+def _kv_source(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node | None, str]:
+    """The unrepeated key/value tensor behind ``node`` when query head ``h`` provably reads its head ``h // n``.
+
+    That is the head mapping ``enable_gqa`` reproduces: ``repeat_kv`` (unsqueeze, expand, reshape),
+    ``repeat_interleave(n, dim=1)``, and ``expand``/``broadcast_to`` of a single head. A tiled
+    ``repeat(1, n, 1, 1)`` maps head ``h`` to ``h % Hkv`` and is not matched (the repeated
+    tensor is passed as written).
+    """
+    src = _repeat_kv_source(gm, node)
+    if src is not None:
+        return src, "repeat_kv"
+    out, op = shape_of(node), read(node, gm)
+    if op is None or out is None or len(out) != 4 or len(node.users) != 1:
+        return None, ""
+    x = op.args[0]
+    xs = shape_of(x)
+    if xs is None or len(xs) != 4 or not (_same(xs[0], out[0]) and _same(xs[2], out[2]) and _same(xs[3], out[3])):
+        return None, ""
+    if op.kind == "repeat_interleave" and op.args[2] == 1 and isinstance(op.args[1], int) \
+            and _same(xs[1] * op.args[1], out[1]):
+        return x, "repeat_interleave"
+    if op.kind == "view" and (node.target in ("expand", "broadcast_to", torch.broadcast_to,
+                                              torch.ops.aten.expand.default)) and _same(xs[1], 1):
+        return x, str(getattr(node.target, "__name__", node.target))
+    return None, ""
 
 
 def _repeat_kv_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
@@ -485,6 +592,7 @@ def _is_none_at(index: Any, pos: int) -> bool:
 def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None = None,
                start: int = 0) -> list[Match | SiteRecord]:
     """Every softmax in ``gm``, proven (Match) or not (SiteRecord with a reason)."""
+    functionalize_inplace(gm)  # s.div_(c); s.softmax(-1) -> the softmax reads the div_ node
     out: list[Match | SiteRecord] = []
     for node in list(gm.graph.nodes):
         op = read(node, gm)

@@ -57,6 +57,7 @@ class MaskPlan:
     guarded: list[fx.Node] = field(default_factory=list)  # buffers the causal proof read
     min_rows: str = "none"  # see AttentionSpec.min_rows
     fill_spelling: str = ""
+    bound_fill: float | None = None  # a finite fill (-1e4, -100): exact under a bound checked per call
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,37 @@ def _neg_large(value: float, dtype: torch.dtype | None) -> str | None:
     return None
 
 
+def _bounded_fill_plan(terms: list[Any], finite: list[Fill], score_dtype: torch.dtype | None) -> MaskPlan | str:
+    """Masks that fill a finite value such as ``-1e4`` or ``-100``.
+
+    ``softmax(scores.masked_fill(m, f))`` is not SDPA with a boolean mask: masked keys keep the
+    weight ``exp(f - rowmax)``, and a row with every key masked is the mean of v. It *is*
+    equal within any dtype's tolerance when every kept score ``s`` satisfies
+    ``Tk * exp(f - s) < 2**-60``, which holds when ``f + |scale| * max|q_i| * max|k_j| + log(Tk) <= -42``
+    (Cauchy-Schwarz bounds every score). The plan passes the dtype's minimum at the masked
+    positions (rows with every key masked then become the mean of v, exactly as written) and the
+    site checks the bound on every call, computing the fill as written when it does not hold.
+    Only fills of one value with no added masks are planned (mixed values change which keys a
+    fully masked row averages).
+    """
+    values = {_in_dtype(f.value, f.dtype or score_dtype) for f in finite}
+    if len(values) != 1 or any(isinstance(t, Add) for t in terms) or len(finite) != len(terms):
+        return (f"the mask fills scores with {finite[0].value!r} together with other masks or values; a finite fill "
+                "(neither -inf nor the dtype's minimum) is rewritten only alone, since it changes rows where every "
+                "key is masked")
+    (value,) = values
+    if not math.isfinite(value) or value > -1.0:
+        return (f"the mask fills scores with {value!r}, which does not suppress the masked keys; left as written")
+    plan = MaskPlan("additive", list(terms), min_rows="mean", bound_fill=value)
+    plan.fill_spelling = f"{value:g}"
+    return plan
+
+
+def _in_dtype(value: float, dtype: torch.dtype | None) -> float:
+    """``value`` as the dtype stores it (``-1e4`` is ``-9984`` in bfloat16)."""
+    return torch.tensor(value, dtype=dtype or torch.float32).item()
+
+
 def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | None,
               root: torch.nn.Module, concrete: dict[fx.Node, torch.Tensor]) -> MaskPlan | str:
     """Decide how SDPA receives the masks in ``terms``, or return why it cannot exactly."""
@@ -220,12 +252,11 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
         return MaskPlan("none")
     fills = [t for t in terms if isinstance(t, Fill)]
     for f in fills:
-        kind = _neg_large(f.value, f.dtype or score_dtype)
-        if kind is None:
-            return (f"the mask fills scores with {f.value!r}, which is neither -inf nor the dtype's minimum; "
-                    "a rewrite would change rows where every key is masked")
         if dtype_of(f.cond) != torch.bool:
             return f"the mask condition has dtype {dtype_of(f.cond)}, not torch.bool"
+    finite = [f for f in fills if _neg_large(f.value, f.dtype or score_dtype) is None]
+    if finite:
+        return _bounded_fill_plan(terms, finite, score_dtype)
     all_inf_fills = all(isinstance(t, Fill) and t.value == -math.inf for t in terms)
     plan = MaskPlan("bool" if all_inf_fills else "additive", list(terms))
     plan.fill_spelling = ", ".join("-inf" if isinstance(t, Fill) and t.value == -math.inf else

@@ -16,14 +16,16 @@ shows the call and ``print(gm)`` shows its spec. Ends with ``graph.lint()`` and 
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..candidates import reference_attention
 from ..canon import attr_value, dtype_of, meta_value
-from ..runtime import AttentionSite, BufferGuard
+from ..runtime import AttentionSite, BufferGuard, _tracing
 from ..site import REWRITTEN
 from .find_sites import Match, reads_only_dtype
 from .masks import Add, Fill
@@ -48,10 +50,12 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
         elif isinstance(t, Fill):
             keep = t.keep_when_true
             filled_when = t.cond if not keep else graph.call_function(torch.logical_not, (t.cond,))
+            # a bounded finite fill reaches the candidate as the dtype's minimum (BoundedFillSite)
+            value = torch.finfo(dtype).min if plan.bound_fill is not None else t.value
             if mask is None:
-                mask = graph.call_function(_filled, (filled_when, t.value, dtype))
+                mask = graph.call_function(_filled, (filled_when, value, dtype))
             else:
-                mask = graph.call_function(torch.where, (filled_when, t.value, mask))
+                mask = graph.call_function(torch.where, (filled_when, value, mask))
     return mask
 
 
@@ -91,7 +95,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             while hasattr(gm, name):
                 name += "_"
             where = f"{m.record.module_path} {m.record.source}".strip()
-            site = AttentionSite(m.record.name, m.spec, candidate, guards, where)
+            site_cls = BoundedFillSite if m.mask.bound_fill is not None else AttentionSite
+            site = site_cls(m.record.name, m.spec, candidate, guards, where, score_mod=m.score_mod)
             gm.add_submodule(name, site.train(gm.training))
             new = graph.call_module(name, (q, k, m.v, mask, scale, m.dropout_p, *guard_nodes))
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
@@ -99,7 +104,7 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 new.meta[key] = m.output.meta[key]
         m.output.replace_all_uses_with(new)
         _detach_metadata_users(m)
-        _erase_unused(gm, m.internal)
+        _erase_unused(gm, m.internal, set(m.internal))
         m.record.decision = REWRITTEN
         m.record.rewrite = candidate
         m.record.spec = m.spec
@@ -130,10 +135,11 @@ def _device(node: fx.Node) -> object:
     return getattr(meta_value(node), "device", None)
 
 
-def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
+def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node], site_nodes: set[fx.Node] = frozenset()) -> None:
     """Erase ``nodes`` and then whatever fed only them (transposes, repeat_kv, mask pieces).
 
-    Placeholders, attributes, in-place methods and calls of modules other than
+    Placeholders, attributes, in-place methods (except those the site itself proved to act
+    only on its own scores, ``site_nodes``) and calls of modules other than
     ``nn.Softmax``/``nn.Dropout`` are never erased.
     """
     graph = gm.graph
@@ -145,9 +151,52 @@ def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
             continue
         if node.op == "call_module" and not isinstance(gm.get_submodule(str(node.target)), _PURE_MODULES):
             continue
-        if node.op == "call_method" and str(node.target).endswith("_") or node.is_impure():
+        if node not in site_nodes and (node.op == "call_method" and str(node.target).endswith("_")
+                                       or node.is_impure()):
             continue
         inputs = list(node.all_input_nodes)
         graph.erase_node(node)
         erased.add(node)
         pending.extend(inputs)
+
+
+class BoundedFillSite(AttentionSite):
+    """A site whose mask fills a finite value ``f`` (``masked_fill(m, -1e4)``), exact on every call.
+
+    The candidate receives the dtype's minimum at the masked positions. That equals the fill as
+    written (within any dtype's tolerance) when every kept score ``s`` has ``Tk * exp(f - s) <
+    2**-60``; by Cauchy-Schwarz ``|s| <= |scale| * max|q_i| * max|k_j|``, so the site checks
+    ``f + |scale| * max|q_i| * max|k_j| + log(Tk) <= -42`` on each call (a norm of q and of k,
+    no score matrix) and otherwise computes the fill as written. Rows with every key masked are
+    the mean of v either way (``AttentionSpec.min_rows == "mean"``).
+    """
+
+    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        fill = self.spec.fill_value
+        assert fill is not None
+        if not _tracing(q) and fill_is_negligible(q, k, kwargs["scale"], fill):
+            return super()._call(q, k, v, kwargs)
+        return _filled_as_written(q, k, v, fill, **kwargs)
+
+
+def fill_is_negligible(q: torch.Tensor, k: torch.Tensor, scale: float, fill: float) -> bool:
+    """True when masked keys filled with ``fill`` carry less than ``2**-60`` of any row's weight."""
+    with torch.no_grad():
+        qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax().item()
+        kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax().item()
+    bound = abs(scale) * qn * kn * 1.01 + 1.0  # 1% and 1.0 of slack for the scores' rounding
+    return fill + bound + math.log(max(k.size(-2), 1)) <= -42.0
+
+
+def _filled_as_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fill: float, *,
+                       attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
+                       enable_gqa: bool, **_: object) -> torch.Tensor:
+    """``softmax(scale * q @ k^T masked_fill(fill)) @ v`` with the masked positions read from ``attn_mask``."""
+    assert attn_mask is not None and not is_causal
+    masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+
+    def mod(score, b, h, qi, ki):
+        return score.masked_fill(masked, fill)
+
+    return reference_attention(q, k, v, attn_mask=None, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+                               score_mod=mod)
