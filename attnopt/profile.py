@@ -1,0 +1,492 @@
+"""``attnopt profile``: where a model's time and memory go, before and after attnopt, over a sweep.
+
+    $ attnopt profile nanogpt --batch-sizes 1,8 --seq-lens 128,512,2048 --phase both --out prof/
+    $ attnopt profile my_models.py:build --variants eager,auto,math --trace --out prof/
+    >>> report = attnopt.profile("nanogpt", seq_lens=(128, 512), out="prof")   # the same data as a dict
+
+Design. A SPEC (``attnopt.profile_spec``) gives the model and ``make_inputs(batch_size,
+seq_len)``. The model is moved to the device and dtype and put in eval mode; every measurement
+runs under ``no_grad`` (inference). Variants: ``eager`` is the model as written; any other name
+is ``attnopt.optimize(model, variant=name)`` (``auto``, ``sdpa`` or a registered candidate).
+For every point (batch size x sequence length x phase), in order:
+
+1. warm up each variant twice (dynamo captures here); a variant that raises is recorded with
+   ``status`` ``oom`` or ``error`` and the error text, and the sweep goes on;
+2. time the variants in alternation, median of ``repeats`` (``attnopt.profile_measure``);
+3. profile each variant a few times for the time inside its attention sites and, on CUDA, the
+   idle gaps between kernels; the eager model's sites are timed on dynamo's capture of it with
+   a range around each site (eager attention is not a separate call);
+4. profile one call for the peak tensor memory and the op whose allocation reached it;
+5. count the attention FLOPs once (from the captured sites' q and v shapes) and compare the
+   achieved FLOP/s with the matmul rate measured once at the start (the roofline ratio).
+
+Phases: ``prefill`` is one forward over T tokens. ``decode`` (causal LMs whose input is one
+``(B, T)`` token tensor) is one new token against a context of T: with
+``attnopt.generation.cached`` when it is importable and accepts the model (prefill untimed,
+then one timed ``step``), otherwise a full forward over T + 1 tokens; the record says which
+(``decode_method``) and why (``decode_note``). The eager variant always recomputes: the model
+as written has no cache.
+
+Outputs under ``--out DIR``: ``report.json`` (``attnopt.profile_report.REPORT_SCHEMA``,
+rewritten after every point), PNG plots (with matplotlib), ``traces/*.json`` chrome traces
+(with ``--trace``; on CUDA also the memory timeline), and on the terminal a progress bar, the
+table and a summary in words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import platform
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .profile_measure import (
+    Runner,
+    SiteCounter,
+    bracket_sites,
+    is_oom,
+    make_runner,
+    matmul_rate,
+    profile_memory,
+    profile_ranges,
+    sync,
+    time_runners,
+)
+from .profile_report import SCHEMA_VERSION, finite, plot, summarize, table, write_json
+from .profile_spec import SpecError, Target, resolve
+
+__all__ = ["add_arguments", "check_options", "main", "profile"]
+
+PHASES = ("prefill", "decode", "both")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+PROFILED_CALLS = 3
+
+
+def _accepted_variants() -> list[str]:
+    from .candidates import candidate_names
+    from .config import VARIANTS
+
+    return list(VARIANTS) + [c for c in candidate_names() if c not in VARIANTS]
+
+
+def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase: str, variants: Sequence[str],
+                  dtype: str, device: str, repeats: int, matmul_size: int | None = None) -> str | None:
+    """What is wrong with these options (a message naming the accepted values), or None."""
+    for name, values in (("batch-sizes", batch_sizes), ("seq-lens", seq_lens)):
+        if not values or any(not isinstance(v, int) or v < 1 for v in values):
+            return f"--{name} must be positive integers separated by commas (e.g. 1,8), got {list(values)}"
+    if phase not in PHASES:
+        return f"--phase must be one of {', '.join(PHASES)}, got {phase!r}"
+    accepted = _accepted_variants()
+    bad = [v for v in variants if v not in accepted]
+    if not variants or bad:
+        return f"unknown variant(s) {bad or '(none given)'} in --variants; accepted: {', '.join(accepted)}"
+    if len(set(variants)) != len(variants):
+        return f"--variants lists a variant twice: {list(variants)}"
+    if dtype not in DTYPES:
+        return f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return f"--device must be cpu, cuda or cuda:N, got {device!r}"
+    if dev.type not in ("cpu", "cuda"):
+        return f"--device must be cpu, cuda or cuda:N, got {device!r}"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {device}: CUDA is not available on this machine; use --device cpu"
+    if repeats < 1:
+        return f"--repeats must be >= 1, got {repeats}"
+    if matmul_size is not None and matmul_size < 1:
+        return f"--matmul-size must be >= 1, got {matmul_size}"
+    return None
+
+
+def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[int] = (128, 512),
+            phase: str = "prefill", variants: Iterable[str] = ("eager", "auto"), dtype: str = "float32",
+            device: str = "cpu", repeats: int = 10, trace: bool = False, out: str | os.PathLike[str] | None = None,
+            progress: bool = True, matmul_size: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Profile ``spec`` over the sweep and return the report (the content of ``report.json``).
+
+    Args:
+        spec: a built-in example (``"nanogpt"``, ``"bert"``), ``"package.module:factory"`` or
+            ``"path/to/file.py:factory"``; ``factory()`` returns ``(model, make_inputs)``.
+        batch_sizes, seq_lens: the sweep (every combination).
+        phase: ``"prefill"``, ``"decode"`` or ``"both"``.
+        variants: ``"eager"`` (as written), ``"auto"``, ``"sdpa"`` or any ``attnopt.candidate_names()``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (parameters and floating inputs).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        repeats: timed calls per variant and point (medians are reported).
+        trace: write a chrome trace per point and variant (needs ``out``).
+        out: folder for ``report.json``, plots and traces; None writes nothing.
+        progress: show a progress bar over the sweep.
+        matmul_size: side of the square matmul that measures the device's rate (default 1024 on
+            CPU, 8192 on CUDA).
+        seed: seed for weights and inputs.
+    """
+    batch_sizes, seq_lens, variants = list(batch_sizes), list(seq_lens), list(variants)
+    problem = check_options(batch_sizes=batch_sizes, seq_lens=seq_lens, phase=phase, variants=variants,
+                            dtype=dtype, device=device, repeats=repeats, matmul_size=matmul_size)
+    if problem:
+        raise ValueError(problem)
+    if trace and out is None:
+        raise ValueError("trace=True writes chrome traces under out; pass out=<folder>")
+    phases = ["prefill", "decode"] if phase == "both" else [phase]
+    dev, dt = torch.device(device), DTYPES[dtype]
+    out_dir = Path(out) if out is not None else None
+
+    torch.manual_seed(seed)
+    target = resolve(spec, max_seq_len=max(seq_lens) + ("decode" in phases))
+    model = target.model.to(device=dev, dtype=dt).eval()
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "command": "attnopt profile", "spec": spec,
+        "description": target.description,
+        "options": {"batch_sizes": batch_sizes, "seq_lens": seq_lens, "phase": phase, "variants": variants,
+                    "dtype": str(dt).replace("torch.", ""), "device": str(dev), "repeats": repeats, "trace": trace,
+                    "seed": seed},
+        "environment": _environment(dev, dt, matmul_size or (8192 if dev.type == "cuda" else 1024)),
+        "complete": False, "records": [], "summary": [], "plots": [],
+    }
+    session = _Session(target, model, variants, dev, dt, repeats, out_dir if trace else None, seed,
+                       report["environment"]["matmul"]["flops_per_s"])
+    points = [(ph, b, t) for ph in phases for b in batch_sizes for t in seq_lens]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(points, desc="profile", unit="point")
+    try:
+        for ph, b, t in bar if bar is not None else points:
+            if bar is not None:
+                bar.set_postfix_str(f"{ph} B={b} T={t}")
+            report["records"].extend(session.point(ph, b, t))
+            if out_dir is not None:
+                write_json(out_dir / "report.json", report)
+    finally:
+        if bar is not None:
+            bar.close()
+    report["summary"] = summarize(report["records"])
+    if out_dir is not None:
+        report["plots"], why = plot(report["records"], out_dir)
+        if why:
+            print(f"attnopt profile: {why}", file=sys.stderr)
+    report["complete"] = True
+    if out_dir is not None:
+        write_json(out_dir / "report.json", report)
+    return report
+
+
+def _environment(dev: torch.device, dt: torch.dtype, matmul_size: int) -> dict[str, Any]:
+    from . import __version__
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return {"torch": torch.__version__, "attnopt": __version__, "python": platform.python_version(),
+            "platform": platform.platform(), "device": str(dev), "device_name": name,
+            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "load_average": load,
+            "generation": _generation()[1] or "attnopt.generation.cached available",
+            "matmul": matmul_rate(dev, dt, matmul_size)}
+
+
+def _generation() -> tuple[Callable[..., Any] | None, str | None]:
+    """``attnopt.generation.cached``, or None and why it cannot be used."""
+    try:
+        from .generation import cached
+    except ImportError as e:
+        return None, f"attnopt.generation.cached is not importable ({e})"
+    return cached, None
+
+
+def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "batch_size": b, "seq_len": t, "phase": phase, "variant": variant, "status": "ok", "error": None,
+        "decode_method": None, "decode_note": None, "forward_s": None, "profiled_forward_s": None, "attention_s": None,
+        "attention_share": None, "attention_method": None, "attention_note": None, "sites": {},
+        "peak_bytes": None, "peak_op": None, "attention_flops": None, "attention_flops_per_s": None,
+        "roofline_ratio": None, "idle_gap_s": None, "idle_gap_share": None, "idle_gap_note": None,
+        "speedup_vs_eager": None, "peak_ratio_vs_eager": None, "trace": None, "memory_timeline": None,
+    }
+    rec.update(fields)
+    return rec
+
+
+def _failed(rec: dict[str, Any], e: BaseException) -> None:
+    rec["status"] = "oom" if is_oom(e) else "error"
+    rec["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
+
+
+class _Session:
+    """The state one sweep shares across points: the variants' models and the eager site capture."""
+
+    def __init__(self, target: Target, model: torch.nn.Module, variants: list[str], dev: torch.device,
+                 dt: torch.dtype, repeats: int, trace_dir: Path | None, seed: int, matmul_flops: float):
+        import attnopt
+
+        self.target, self.model, self.dev, self.dt = target, model, dev, dt
+        self.repeats, self.trace_dir, self.seed, self.matmul_flops = repeats, trace_dir, seed, matmul_flops
+        self.models = {v: model if v == "eager" else attnopt.optimize(model, variant=v) for v in variants}
+        self.bracketed, self.counter = bracket_sites(model)
+
+    # -- one point ---------------------------------------------------------------------------------------------
+    def point(self, phase: str, b: int, t: int) -> list[dict[str, Any]]:
+        torch.manual_seed(self.seed)
+        records = {v: _record(phase, b, t, v) for v in self.models}
+        try:
+            runners, eager_profiled, call = self._runners(phase, b, t, records)
+        except _Skip as s:
+            for rec in records.values():
+                rec.update(status="skipped", error=str(s))
+            return list(records.values())
+        except Exception as e:  # noqa: BLE001 - inputs could not be made: every variant fails alike
+            for rec in records.values():
+                _failed(rec, e)
+            return list(records.values())
+        self._warm(runners, records)
+        self._time(runners, records)
+        flops, sites_where = self._count_flops(*call)
+        for v, runner in runners.items():
+            rec = records[v]
+            try:
+                # a cached step attends one query row to T+1 keys: 1/(T+1) of the full recompute's FLOPs
+                scale = 1.0 / (t + 1) if rec["decode_method"] == "kv_cache" else 1.0
+                self._inspect(v, rec, eager_profiled if v == "eager" else runner, sites_where,
+                              None if flops is None else flops * scale)
+                mem = profile_memory(runner, self.dev)
+                rec["peak_bytes"] = mem.peak_bytes
+                rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
+                                  "module": mem.module, "site": mem.site}
+                if self.trace_dir is not None and self.dev.type == "cuda":
+                    path = self.trace_dir / "traces" / f"{phase}_B{b}_T{t}_{v}_memory.html"
+                    mem.profiler.export_memory_timeline(str(path), device=str(self.dev))
+                    rec["memory_timeline"] = str(path)
+            except Exception as e:  # noqa: BLE001 - record it, keep sweeping
+                _failed(rec, e)
+                self._release()
+        eager = records.get("eager")
+        for rec in records.values():
+            if eager is not None and eager["status"] == "ok" and rec["status"] == "ok" and rec is not eager:
+                rec["speedup_vs_eager"] = finite(eager["forward_s"] / rec["forward_s"])
+                if eager["peak_bytes"] and rec["peak_bytes"]:
+                    rec["peak_ratio_vs_eager"] = eager["peak_bytes"] / rec["peak_bytes"]
+        return list(records.values())
+
+    def _runners(self, phase: str, b: int, t: int,
+                 records: dict[str, dict[str, Any]]) -> tuple[dict[str, Runner], Runner, tuple[Any, ...]]:
+        """Runners per variant, the runner whose site ranges time eager, the (args, kwargs) of a full call."""
+        if phase == "prefill":
+            args, kwargs = self.target.inputs(b, t, dtype=self.dt, device=self.dev)
+            runners = {v: make_runner(m, args, kwargs, self.dev) for v, m in self.models.items()}
+            return runners, make_runner(self.bracketed, args, kwargs, self.dev), (args, kwargs)
+        if self.target.causal_lm is False:
+            raise _Skip(f"decode applies to causal language models; {self.target.spec} is not one")
+        args, kwargs = self.target.inputs(b, t + 1, dtype=self.dt, device=self.dev)
+        idx = args[0] if len(args) == 1 and not kwargs else None
+        if not (isinstance(idx, torch.Tensor) and idx.dim() == 2 and not idx.is_floating_point()):
+            raise _Skip("decode needs make_inputs(batch_size, seq_len) to return one (batch, seq_len) tensor of "
+                        "token ids")
+        runners: dict[str, Runner] = {}
+        for v, m in self.models.items():
+            rec = records[v]
+            runner, note = (None, "the model as written has no KV cache") if v == "eager" else self._cached(v, idx, t)
+            if runner is None:
+                runner = make_runner(m, (idx,), {}, self.dev)
+                rec.update(decode_method="full_recompute", decode_note=f"forward over T+1 tokens: {note}")
+            else:
+                rec.update(decode_method="kv_cache", decode_note=note)
+            runners[v] = runner
+        return runners, make_runner(self.bracketed, (idx,), {}, self.dev), ((idx,), {})
+
+    def _cached(self, variant: str, idx: torch.Tensor, t: int) -> tuple[Runner | None, str]:
+        cached, why = _generation()
+        if cached is None:
+            return None, why or ""
+        kwargs: dict[str, Any] = {}
+        try:
+            params = inspect.signature(cached).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "variant" in params:
+            kwargs["variant"] = variant
+        elif variant != "auto":
+            return None, (f"attnopt.generation.cached takes no variant, so it does not run {variant!r}; "
+                          "its cache is measured as variant 'auto'")
+        try:
+            c = cached(self.model, max_len=t + 1, **kwargs)
+        except Exception as e:  # noqa: BLE001 - it refuses models it cannot cache exactly
+            return None, f"attnopt.generation.cached refused the model: {type(e).__name__}: {e}"
+        context, new = idx[:, :t], idx[:, t:]
+
+        def run() -> Any:
+            out = c.step(new)
+            sync(self.dev)
+            return out
+
+        note = "attnopt.generation.cached: prefill untimed, one step timed"
+        return Runner(run, setup=lambda: c.prefill(context)), note
+
+    def _warm(self, runners: dict[str, Runner], records: dict[str, dict[str, Any]]) -> None:
+        for v in list(runners):
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # recompiles and fallbacks warn; attnopt.explain() has them
+                    runners[v]()
+                    runners[v]()
+            except Exception as e:  # noqa: BLE001
+                _failed(records[v], e)
+                del runners[v]
+                self._release()
+
+    def _time(self, runners: dict[str, Runner], records: dict[str, dict[str, Any]]) -> None:
+        try:
+            for v, s in time_runners(runners, self.repeats).items():
+                records[v]["forward_s"] = s
+            return
+        except Exception:  # noqa: BLE001 - find which variant fails by timing them one by one
+            self._release()
+        for v in list(runners):
+            try:
+                records[v]["forward_s"] = time_runners({v: runners[v]}, self.repeats)[v]
+            except Exception as e:  # noqa: BLE001
+                _failed(records[v], e)
+                del runners[v]
+                self._release()
+
+    def _count_flops(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float | None, dict[str, str]]:
+        """Attention FLOPs of one full call, counted on the eager capture; the sites' places in the code."""
+        counter: SiteCounter = self.counter
+        counter.flops.clear()
+        counter.counting = True
+        try:
+            with torch.no_grad():
+                self.bracketed(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the eager variant's record carries the error
+            return None, dict(counter.where)
+        finally:
+            counter.counting = False
+        flops = sum(counter.flops.values())
+        return (flops or None), dict(counter.where)
+
+    def _inspect(self, variant: str, rec: dict[str, Any], runner: Runner, eager_where: dict[str, str],
+                 flops: float | None) -> None:
+        """Attention time, share, roofline and gaps of one variant from profiled calls."""
+        ranges = profile_ranges(runner, self.dev, PROFILED_CALLS)
+        import attnopt
+
+        where = eager_where
+        if variant != "eager":
+            rep = attnopt.explain(self.models[variant]) if variant in self.models else None
+            where = {r.name: " ".join(x for x in (r.module_path, f"({r.source})" if r.source else "") if x)
+                     for r in (rep.records if rep is not None else []) if r.rewritten}
+        rec["sites"] = {n: {"seconds": s, "where": where.get(n, "")} for n, s in ranges.sites_s.items()}
+        if variant == "eager":
+            rec["attention_method"] = "captured_regions"
+            rec["attention_note"] = ("ops from each site's score product to its P @ V, timed on dynamo's capture "
+                                     "of the model as written")
+        elif rec["decode_method"] == "kv_cache" and not ranges.sites_s:
+            rec["attention_note"] = "the cached step runs no attnopt::<site> range"
+        else:
+            rec["attention_method"] = "site_ranges"
+        rec["profiled_forward_s"] = ranges.forward_s
+        if ranges.attention_s is not None:
+            rec["attention_s"] = ranges.attention_s
+            rec["attention_share"] = finite(ranges.attention_s / ranges.forward_s) if ranges.forward_s else None
+            if flops is not None and ranges.attention_s > 0:
+                rec["attention_flops"] = flops
+                rec["attention_flops_per_s"] = flops / ranges.attention_s
+                rec["roofline_ratio"] = rec["attention_flops_per_s"] / self.matmul_flops
+        elif rec["attention_note"] is None:
+            rec["attention_note"] = "no attention site ran in an attnopt::<site> range (none found or rewritten)"
+        if flops is not None:
+            rec["attention_flops"] = flops
+        if self.dev.type == "cuda":
+            rec["idle_gap_s"], rec["idle_gap_share"] = ranges.idle_gap_s, ranges.idle_gap_share
+        else:
+            rec["idle_gap_note"] = "n/a on CPU"
+        if self.trace_dir is not None:
+            path = self.trace_dir / "traces" / f"{rec['phase']}_B{rec['batch_size']}_T{rec['seq_len']}_{variant}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ranges.profiler.export_chrome_trace(str(path))
+            rec["trace"] = str(path)
+
+    def _release(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class _Skip(Exception):
+    """A phase that does not apply to this model; the message says why."""
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    problem = f"expected positive integers separated by commas (e.g. 1,8), got {text!r}"
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(problem) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(problem)
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnopt profile``."""
+    parser.add_argument("spec", metavar="SPEC",
+                        help="a built-in example (nanogpt, bert), 'package.module:factory' or 'file.py:factory' "
+                             "where factory() returns (model, make_inputs) and make_inputs(batch_size, seq_len) "
+                             "returns the model's arguments")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated (default 1)")
+    parser.add_argument("--seq-lens", type=_int_list, default=[128, 512], help="comma-separated (default 128,512)")
+    parser.add_argument("--phase", choices=PHASES, default="prefill",
+                        help="prefill: a forward over T tokens; decode: one new token after T (causal LMs)")
+    parser.add_argument("--variants", default="eager,auto",
+                        help="comma-separated: eager (as written), auto, sdpa or a registered candidate "
+                             "(default eager,auto)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="default float32")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per variant and point (default 10)")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="side of the matmul that measures the device's rate (default 1024 CPU, 8192 CUDA)")
+    parser.add_argument("--trace", action="store_true", help="write chrome traces per point under DIR/traces")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--out", metavar="DIR", required=True, help="folder for report.json, plots and traces")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``attnopt profile`` once its arguments are parsed."""
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    problem = check_options(batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
+                            variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
+                            matmul_size=args.matmul_size)
+    if problem:
+        print(f"attnopt profile: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        report = profile(args.spec, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
+                         variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
+                         trace=args.trace, out=args.out, progress=not args.no_progress,
+                         matmul_size=args.matmul_size, seed=args.seed)
+    except SpecError as e:
+        print(f"attnopt profile: error: {e}", file=sys.stderr)
+        return 2
+    env = report["environment"]
+    print(f"{report['description']}; {env['device']} ({env['device_name']}), {report['options']['dtype']}, "
+          f"torch {env['torch']}, {env['threads']} threads; matmul {env['matmul']['size']}^3: "
+          f"{env['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s; medians of {args.repeats} alternating runs, no_grad")
+    print()
+    print(table(report["records"]))
+    print()
+    for line in report["summary"]:
+        print(line)
+    print(f"\nwrote {Path(args.out) / 'report.json'}" + "".join(f", {p}" for p in report["plots"]))
+    return 0
