@@ -2,6 +2,7 @@
 
     $ attnopt demo                 # optimize the built-in NanoGPT, print measured speed/memory and explain()
     $ attnopt demo --seq-len 512 --layers 2
+    $ attnopt profile nanogpt --seq-lens 128,512 --phase both --out prof/   # sweep: table, report.json, plots
 
 Each subcommand lives in its own module and contributes ``add_arguments(parser)`` and
 ``main(args) -> int``; add new ones to ``_COMMANDS``.
@@ -15,6 +16,8 @@ import importlib
 # name -> (module, one-line help); modules are imported only when their command runs.
 _COMMANDS = {
     "demo": ("attnopt.demo", "optimize the built-in NanoGPT and show measured speed, memory and explain()"),
+    "profile": ("attnopt.profile", "time, memory and attention share of a model before and after attnopt, "
+                "over batch sizes and sequence lengths"),
 }
 
 
