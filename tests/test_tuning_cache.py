@@ -186,7 +186,7 @@ def test_two_processes_storing_at_once_leave_only_valid_files(tmp_path: Path) ->
     start = ctx.Barrier(2)
     outs = [tmp_path / f"worker{w}.json" for w in range(2)]
     cache_dir = tmp_path / "cache"
-    procs = [ctx.Process(target=_store_many, args=(str(cache_dir), w, 150, start, str(outs[w]))) for w in range(2)]
+    procs = [ctx.Process(target=_store_many, args=(str(cache_dir), w, 100, start, str(outs[w]))) for w in range(2)]
     for p in procs:
         p.start()
     for p in procs:
