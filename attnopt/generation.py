@@ -56,6 +56,8 @@ from .runtime import AttentionSite
 from .site import AttentionSpec
 
 #: Config attributes that name a model's maximum number of positions, most specific first.
+aten = torch.ops.aten
+
 _CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
 
 
@@ -313,13 +315,44 @@ def _capture(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Nod
                             "item is the logits, or an object with .logits") from e
     out.args = (flat[index],)
     gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+    _tidy(gm)
     return gm, placeholders[0], ep
 
 
+_FULL_END = 2**63 - 1  # the end ``x[a:]`` records in ATen graphs
+
+
+def _tidy(gm: fx.GraphModule) -> None:
+    """Undo three spellings ``torch.export`` adds, so attention matches as it does in dynamo graphs.
+
+    ``aten._assert_tensor_metadata`` (a dtype check after ``.float()``) is dropped; ``a.type_as(b)`` and
+    ``a.float()`` (``aten.to.dtype``) become ``aten._to_copy(a, dtype=...)``; ``x[:, :]`` (a slice from 0 to
+    the end) becomes ``x``.
+    None of them changes a value.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+        elif node.target in (aten.type_as.default, aten.to.dtype):
+            with graph.inserting_before(node):
+                cast = graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": meta_value(node).dtype})
+            cast.meta.update(node.meta)
+            node.replace_all_uses_with(cast)
+            graph.erase_node(node)
+        elif node.target is aten.slice.Tensor and tuple(node.args[2:]) in ((0, _FULL_END), (None, _FULL_END),
+                                                                          (0, _FULL_END, 1), (None, _FULL_END, 1)):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
 def _config_max(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", getattr(model, "cfg", None))
     for name in _CONFIG_MAX:
         value = getattr(config, name, None) if config is not None else None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -334,11 +367,8 @@ def _resolve_max_len(requested: int | None, declared: int | None, plan: Position
     seq = plan.seq
     vr = ep.range_constraints.get(seq)
     if vr is not None:
-        try:
-            upper = int(vr.upper)
-            hard.append(("a length check in forward", upper))
-        except (TypeError, ValueError, OverflowError):
-            pass
+        if isinstance(vr.upper, (int, sympy.Integer)):
+            hard.append(("a length check in forward", int(vr.upper)))
     tightest = min(hard, key=lambda b: b[1], default=None)
     if requested is not None:
         if tightest is not None and requested > tightest[1]:

@@ -387,7 +387,7 @@ def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     if node.target.overloadpacket is aten.embedding:  # type: ignore[union-attr]
         table, idx = kw["weight"], kw["indices"]
     else:
-        table, indices = kw["self"], kw["indices"]
+        table, indices = kw["input"], kw["indices"]
         if len(indices) != 1 or not isinstance(indices[0], fx.Node):
             raise _Refuse("indexes with more than one index tensor")
         idx = indices[0]
@@ -395,7 +395,7 @@ def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
         raise _Refuse("gathers from a tensor computed from the sequence")
     kind = a.kind(idx)
     if kind == POSITION:
-        a.plan.bounds.append((f"{describe(node)} table rows", int((shape_of(table) or (0,))[0])))
+        a.plan.bounds.append((f"the position table read by {describe(node)}", int((shape_of(table) or (0,))[0])))
     return kind
 
 
@@ -410,7 +410,7 @@ def _arange(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
 
 
 def _slice(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
-    x, start, end, step = kw["self"], kw.get("start"), kw.get("end"), kw.get("step", 1)
+    x, start, end, step = kw["input"], kw.get("start"), kw.get("end"), kw.get("step", 1)
     nd = len(shape_of(x) or ())
     d = _dim(kw.get("dim", 0), nd)
     full_len = (shape_of(x) or ())[d]
@@ -426,7 +426,7 @@ def _slice(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     if start in (0, None) and _is_seq(end, a.seq) and step == 1:  # table[:T] is table[arange(T)]
         a.plan.shifted.append(node)
         if isinstance(full_len, int):
-            a.plan.bounds.append((f"{describe(node)} table rows", full_len))
+            a.plan.bounds.append((f"the position table sliced by {describe(node)}", full_len))
         return POSITION
     raise _Refuse(f"slices a table by a range computed from the sequence length ({_expr(start)}:{_expr(end)})")
 
@@ -511,12 +511,13 @@ def offset_positions(gm: fx.GraphModule, plan: PositionPlan, offset: fx.Node) ->
         assert kw is not None
         kwargs = dict(kw.kwargs)
         with graph.inserting_before(node):
-            kwargs["end"] = graph.call_function(operator.add, (offset, kwargs["end"]))
-        kwargs["start"] = offset
-        if node.target.overloadpacket is aten.arange:  # type: ignore[union-attr]
+            end = graph.call_function(operator.add, (offset, kwargs["end"]))
+        if node.target.overloadpacket is aten.slice:  # type: ignore[union-attr]
+            node.args, node.kwargs = (kwargs["input"], kwargs["dim"], offset, end, kwargs["step"]), {}
+        else:
             kwargs.pop("step", None)
-            node.target = aten.arange.start
-        node.args, node.kwargs = (), kwargs
+            kwargs.update(start=offset, end=end)
+            node.target, node.args, node.kwargs = aten.arange.start, (), kwargs
     graph.lint()
     gm.recompile()
     return gm
