@@ -9,11 +9,12 @@ Importing attnopt touches no device and compiles nothing.
 
 from __future__ import annotations
 
-from .api import explain, optimize, rewrite
+from .api import explain, optimize, rewrite, tune
 from .backend import attnopt_backend, last_report
 from .candidates import candidate_names, get_candidate, register_candidate
 from .config import OptimizeConfig
 from .report import Report
+from .selector import Selector
 from .site import AttentionSpec, SiteRecord
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "AttentionSpec",
     "OptimizeConfig",
     "Report",
+    "Selector",
     "SiteRecord",
     "__version__",
     "attnopt_backend",
@@ -32,4 +34,5 @@ __all__ = [
     "optimize",
     "register_candidate",
     "rewrite",
+    "tune",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -15,12 +17,17 @@ from .backend import attnopt_backend
 from .config import OptimizeConfig
 from .pipeline import run_pipeline
 from .report import Report
+from .runtime import AUTO
+from .selector import Selector
+
+log = logging.getLogger("attnopt")
 
 _REPORT_ATTR = "_attnopt_report"
 
 
 def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, verify: bool = False,
-             dynamic: bool | None = None) -> nn.Module:
+             dynamic: bool | None = None, memory_budget: int | str | None = None,
+             selector: Selector | None = None) -> nn.Module:
     """Return ``model`` with every provable attention site running through a faster candidate.
 
     The result is ``torch.compile(model, backend=<attnopt>)``: same call signature, same
@@ -30,21 +37,89 @@ def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, 
 
     Args:
         model: the ``nn.Module`` to optimize; its code is not changed.
-        variant: ``"auto"`` (SDPA wherever legal), ``"sdpa"``, ``"eager"`` (rewrite nothing),
-            or a registered candidate name.
+        variant: ``"auto"`` (time every legal candidate on this device for the real shapes and
+            keep the fastest; see :mod:`attnopt.selector`), ``"sdpa"``, ``"eager"`` (rewrite
+            nothing), or a registered candidate name (``attnopt.candidate_names()``). The
+            environment variable ``ATTNOPT_VARIANT`` overrides it.
         compile: hand the rewritten graphs to Inductor (needs a C++ compiler on CPU).
         verify: on first inputs, run original and rewritten graphs and drop rewrites that
             differ beyond the dtype's tolerance (with a warning).
         dynamic: passed to ``torch.compile``.
+        memory_budget: peak bytes one attention call may allocate (int, or e.g. ``"512MiB"``);
+            with ``variant="auto"`` candidates above it are not chosen.
+        selector: a :class:`~attnopt.selector.Selector` to use (e.g. with another cache or
+            timer); by default one per optimized model, with the on-disk tuning cache.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attnopt.optimize expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap a function in an nn.Module or use attnopt.rewrite on a GraphModule")
-    config = OptimizeConfig(variant=variant, compile=compile, verify=verify)
+    variant = _variant_from_env(variant)
+    config = OptimizeConfig(variant=variant, compile=compile, verify=verify, memory_budget=memory_budget)
+    if selector is not None and config.memory_budget is not None:
+        raise ValueError("pass memory_budget to the Selector you give, not to optimize()")
+    if config.candidate == AUTO and selector is None:
+        selector = Selector(memory_budget=config.memory_budget)
     report = Report()
-    backend = functools.partial(attnopt_backend, config=config, report=report)
+    backend = functools.partial(attnopt_backend, config=config, report=report, selector=selector)
     opt = torch.compile(model, backend=backend, dynamic=dynamic)
     object.__setattr__(opt, _REPORT_ATTR, report)
+    return opt
+
+
+def _variant_from_env(variant: str) -> str:
+    env = os.environ.get("ATTNOPT_VARIANT", "").strip()
+    if env and env != variant:
+        log.info("ATTNOPT_VARIANT=%s overrides variant=%r", env, variant)
+        return env
+    return variant
+
+
+def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence[Any]], *,
+         batch_sizes: Sequence[int] | None = None, seq_lens: Sequence[int] | None = None, grad: bool = False,
+         progress: bool = True, **optimize_kwargs: Any) -> nn.Module:
+    """Tune ahead of time: run ``model`` on every input (or sweep point) so each site chooses per shape.
+
+    ``inputs`` is either a list of argument tuples, or ``make_inputs(batch_size, seq_len)`` with
+    ``batch_sizes`` and ``seq_lens`` giving the sweep. ``model`` may be a model returned by
+    :func:`optimize` (it is tuned in place) or a plain module (it is optimized first with
+    ``optimize_kwargs``). The timings go to the tuning cache on disk, so later processes on
+    the same machine start tuned. ``grad=True`` tunes the forward+backward shapes of training.
+    Returns the optimized model. A tqdm bar shows progress.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attnopt.tune expects a torch.nn.Module, got {type(model).__name__}")
+    if callable(inputs):
+        if not batch_sizes or not seq_lens:
+            raise ValueError("with make_inputs(batch_size, seq_len), give batch_sizes=[...] and seq_lens=[...]")
+        make = inputs
+        points = [(b, t) for b in batch_sizes for t in seq_lens]
+        calls: list[Any] = [functools.partial(make, b, t) for b, t in points]
+        labels = [f"B={b} T={t}" for b, t in points]
+    else:
+        if batch_sizes or seq_lens:
+            raise ValueError("batch_sizes/seq_lens go with a make_inputs(batch_size, seq_len) function, "
+                             "not with a list of inputs")
+        seq = list(inputs)
+        if not seq:
+            raise ValueError("attnopt.tune needs at least one input")
+        calls = [functools.partial(lambda a: a, a if isinstance(a, (tuple, list)) else (a,)) for a in seq]
+        labels = [f"input {i}" for i in range(len(seq))]
+    opt = model if isinstance(getattr(model, _REPORT_ATTR, None), Report) else optimize(model, **optimize_kwargs)
+    from tqdm.auto import tqdm
+
+    for label, make_args in tqdm(list(zip(labels, calls)), desc="attnopt tune", unit="point", disable=not progress):
+        args = tuple(make_args())
+        log.info("tuning %s", label)
+        if grad:
+            out = opt(*args)
+            loss = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.requires_grad)
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+            opt.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                opt(*args)
     return opt
 
 
@@ -66,7 +141,7 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, 
         n = sum(1 for node in gm.graph.nodes if node.op == "placeholder")
         if len(example_inputs) != n:
             raise TypeError(f"the GraphModule takes {n} input(s), got {len(example_inputs)} example input(s)")
-    config = OptimizeConfig(variant=variant, verify=verify)
+    config = OptimizeConfig(variant=_variant_from_env(variant), verify=verify)
     new_gm, records = run_pipeline(gm, example_inputs, config)
     report = Report(records=records, graphs=1)
     new_gm.meta["attnopt_report"] = report
@@ -113,4 +188,4 @@ def _check_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
                         f".forward{sig}: {e}") from e
 
 
-__all__ = ["optimize", "rewrite", "explain"]
+__all__ = ["optimize", "rewrite", "explain", "tune"]

@@ -22,7 +22,8 @@ import torch.fx as fx
 from .config import OptimizeConfig
 from .pipeline import run_pipeline
 from .report import Report
-from .runtime import GUARDED_ARGS_START, AttentionSite
+from .runtime import AUTO, GUARDED_ARGS_START, AttentionSite
+from .selector import Selector
 
 log = logging.getLogger("attnopt")
 
@@ -37,14 +38,16 @@ def last_report() -> Report:
 
 def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
                     config: OptimizeConfig | None = None, report: Report | None = None,
-                    **options: Any) -> Callable[..., Any]:
+                    selector: Selector | None = None, **options: Any) -> Callable[..., Any]:
     """Dynamo backend: rewrite the attention in ``gm`` and return a callable that runs it."""
     config = config or OptimizeConfig(**options)
+    if selector is None and config.candidate == AUTO:
+        selector = _default_selector(config)
     report = _DEFAULT_REPORT if report is None else report
     graph_id = report.graphs
     report.graphs += 1
     try:
-        new_gm, records = run_pipeline(gm, example_inputs, config, graph_id)
+        new_gm, records = run_pipeline(gm, example_inputs, config, graph_id, selector)
     except Exception as e:  # noqa: BLE001 - never break the user's model; report why instead
         msg = f"graph {graph_id}: {type(e).__name__}: {e}"
         report.failures.append(msg)
@@ -61,6 +64,7 @@ def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeC
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
+    _tune_before_tracing(gm, example_inputs)
     compiled = compile_fx(gm, list(example_inputs))
     guards = _boundary_guards(gm)
     if not guards or fallback is None:
@@ -74,6 +78,29 @@ def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeC
         return original(*args)
 
     return run
+
+
+_SELECTORS: dict[Any, Selector] = {}
+
+
+def _default_selector(config: OptimizeConfig) -> Selector:
+    """One selector per memory budget for ``backend="attnopt"`` used by name."""
+    if config.memory_budget not in _SELECTORS:
+        _SELECTORS[config.memory_budget] = Selector(memory_budget=config.memory_budget)
+    return _SELECTORS[config.memory_budget]
+
+
+def _tune_before_tracing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Run ``gm`` once eagerly so "auto" sites choose before Inductor bakes one candidate in."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    sites = [m for m in gm.modules() if isinstance(m, AttentionSite) and m.candidate == AUTO]
+    if not sites or any(isinstance(x, FakeTensor) for x in example_inputs):
+        return
+    try:
+        gm(*example_inputs)
+    except Exception as e:  # noqa: BLE001 - tuning is an optimisation; the sites fall back to "math"
+        log.warning("could not tune before compiling: %r", e)
 
 
 def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:

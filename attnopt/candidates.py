@@ -8,10 +8,14 @@ scale always explicit, and says up front whether it can serve a site::
     >>> cand.supports(spec)       # None, or the reason it cannot
     >>> out = cand(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=0.125)
 
-Registered now: ``sdpa`` (PyTorch's dispatcher picks the backend) and ``math`` (the plain
-reference computation, used to check the others and as the runtime fallback). The
-selector of a later release adds backend-restricted SDPA, the tiled kernel and
-FlexAttention here, and times them.
+Registered: ``sdpa`` (PyTorch's dispatcher picks the backend); ``sdpa_flash`` and
+``sdpa_math`` (SDPA restricted to one backend with ``torch.nn.attention.sdpa_kernel``; on
+CUDA also ``sdpa_efficient`` and ``sdpa_cudnn``); ``math`` (the computation as written
+out, used to check the others and as the runtime fallback); and the kernels under
+:mod:`attnopt.kernels` (the tiled kernel at several block sizes, FlexAttention). A
+candidate that only runs on some devices names them in ``devices``; ``available(device)``
+says why it cannot run elsewhere. The selector (:mod:`attnopt.selector`) times the ones
+that support a site and keeps the fastest.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .site import AttentionSpec
 
@@ -36,6 +41,8 @@ class Candidate(Protocol):
 
     def supports(self, spec: AttentionSpec) -> str | None: ...
 
+    def available(self, device: torch.device) -> str | None: ...
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
                  enable_gqa: bool, score_mod: ScoreMod | None = None) -> torch.Tensor: ...
@@ -49,9 +56,15 @@ class FunctionCandidate:
     fn: Callable[..., torch.Tensor]
     check: Callable[[AttentionSpec], str | None]
     description: str = ""
+    devices: tuple[str, ...] = ()  # device types it runs on; empty: any
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)
+
+    def available(self, device: torch.device) -> str | None:
+        if self.devices and torch.device(device).type not in self.devices:
+            return f"runs on {', '.join(self.devices)} only"
+        return None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
         return self.fn(q, k, v, **kwargs)
@@ -132,6 +145,22 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 register_candidate(FunctionCandidate("sdpa", _sdpa, _sdpa_supports,
                                      "torch.nn.functional.scaled_dot_product_attention"))
+def _restricted(backend: SDPBackend) -> Callable[..., torch.Tensor]:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return _sdpa(q, k, v, **kwargs)  # type: ignore[arg-type]
+
+    return fn
+
+
+for _name, _backend, _devices in (("sdpa_flash", "FLASH_ATTENTION", ("cpu", "cuda")),
+                                  ("sdpa_math", "MATH", ("cpu", "cuda")),
+                                  ("sdpa_efficient", "EFFICIENT_ATTENTION", ("cuda",)),
+                                  ("sdpa_cudnn", "CUDNN_ATTENTION", ("cuda",))):
+    if hasattr(SDPBackend, _backend):
+        register_candidate(FunctionCandidate(_name, _restricted(getattr(SDPBackend, _backend)), _sdpa_supports,
+                                             f"SDPA restricted to its {_backend.lower()} backend", _devices))
+
 register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
                                      "softmax(scale * q @ k^T + mask) @ v written out"))
 

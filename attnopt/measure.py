@@ -17,6 +17,7 @@ This module imports ``tqdm`` lazily, only when a progress bar is asked for.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["peak_memory", "time_alternating"]
+__all__ = ["peak_memory", "quiet_profiler", "time_alternating"]
 
 
 def _sync(device: torch.device | None) -> None:
@@ -105,9 +106,16 @@ def peak_memory(fn: Callable[..., Any], *inputs: Any, warmup: int = 1) -> int:
         return _cpu_peak(fn, inputs)
 
 
+def quiet_profiler() -> None:
+    """Silence the two log lines the profiler library prints to stderr per session (unless the user set
+    ``KINETO_LOG_LEVEL`` themselves): the selector and the profiler run many short sessions."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def _cpu_peak(fn: Callable[..., Any], inputs: Sequence[Any]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    quiet_profiler()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*inputs)
     del out

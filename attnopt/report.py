@@ -39,7 +39,8 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"graphs": self.graphs, "rewritten": self.rewritten, "failures": list(self.failures),
-                "records": [r.as_dict() for r in self.records]}
+                "records": [{**r.as_dict(), "tuning": {k: e.to_dict() for k, e in r.extra.get("tuning", {}).items()}}
+                            for r in self.records]}
 
     def table(self) -> str:
         from tabulate import tabulate
@@ -53,12 +54,31 @@ class Report:
         return tabulate(rows, headers=["site", "where", "spelling recognised", "decision", "details"],
                         tablefmt="simple", maxcolwidths=[None, 36, 40, None, 60])
 
+    def tuning_table(self) -> str:
+        """The selector's choices: per site and shape key, the chosen candidate and the timings."""
+        from tabulate import tabulate
+
+        from .selector import format_timings
+
+        rows = []
+        for r in self.records:
+            for key, entry in r.extra.get("tuning", {}).items():
+                name = f"g{r.graph_id}.{r.name}" if self.graphs > 1 else r.name
+                rows.append([name, key, entry.choice, format_timings(entry)])
+        if not rows:
+            return ""
+        return tabulate(rows, headers=["site", "shape key", "chosen", "measured (median ms, peak MiB; * = chosen)"],
+                        tablefmt="simple", maxcolwidths=[None, 34, None, 70])
+
     def __str__(self) -> str:
         head = (f"attnopt: {self.rewritten} of {len(self.sites)} attention site(s) rewritten "
                 f"in {self.graphs} captured graph(s)")
         lines = [head]
         if self.records:
             lines += ["", self.table()]
+            tuned = self.tuning_table()
+            if tuned:
+                lines += ["", "selector choices:", tuned]
         elif not self.failures:
             lines.append("(no softmax found in the captured graphs)")
         for f in self.failures:

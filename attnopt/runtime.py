@@ -13,6 +13,12 @@ run-time numbers). The module
   dtype's minimum (uniform attention as written; see ``AttentionSpec.min_rows``),
 * calls the chosen candidate inside a ``record_function("attnopt::<site>")`` range, and
   falls back to the ``math`` candidate with a warning if the candidate raises.
+
+With ``candidate="auto"`` the site asks its :class:`~attnopt.selector.Selector` which
+candidate to run for the call's shape key (tuned on the first call in each bucket, then one
+dictionary lookup); the timings that chose it are kept in ``site.tuning`` and in the site's
+record for ``explain()``. While being traced (``compile=True``) the site uses the choice of
+its most recent eager call.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,6 +37,9 @@ from .candidates import ScoreMod, get_candidate
 from .site import AttentionSpec
 
 log = logging.getLogger("attnopt")
+
+#: The candidate name that makes a site ask its selector.
+AUTO = "auto"
 
 #: ``AttentionSite`` call arguments: (q, k, v, mask, scale, dropout_p, *guarded buffers).
 GUARDED_ARGS_START = 6
@@ -94,7 +104,12 @@ class AttentionSite(nn.Module):
         self.guards = list(guards or [])
         self.where = where
         self._fell_back = False
-        get_candidate(candidate)  # fail early on a bad name
+        self.selector: Any = None  # a Selector, for candidate="auto"
+        self.record: Any = None  # the SiteRecord that explain() shows
+        self.tuning: dict[Any, Any] = {}  # ShapeKey -> TuningEntry
+        self._last: str | None = None
+        if candidate != AUTO:
+            get_candidate(candidate)  # fail early on a bad name
 
     def extra_repr(self) -> str:
         return f"{self.site_name}: {self.candidate}, {self.spec.describe()}"
@@ -151,17 +166,38 @@ class AttentionSite(nn.Module):
             return True  # checked at the compiled graph's boundary instead
         return all(g.holds(t) for g, t in zip(self.guards, guarded))
 
+    def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> str:
+        if self.candidate != AUTO:
+            return self.candidate
+        if _tracing(q) or self.selector is None:
+            return self._last or "math"
+        from .selector import Call, shape_key
+
+        mask = kwargs["attn_mask"]
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
+        key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                        dropout=kwargs["dropout_p"] > 0, grad=grad)
+        entry = self.tuning.get(key)
+        if entry is None:
+            entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+            self.tuning[key] = entry
+            if self.record is not None:
+                self.record.extra.setdefault("tuning", {})[key.describe()] = entry
+        self._last = entry.choice
+        return entry.choice
+
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        fn = get_candidate(self.candidate)
-        if self._fell_back or _tracing(q):
-            fn = get_candidate("math") if self._fell_back else fn
+        if self._fell_back:
+            return get_candidate("math")(q, k, v, **kwargs)
+        name = self._choice(q, k, v, kwargs)
+        fn = get_candidate(name)
+        if _tracing(q):
             return fn(q, k, v, **kwargs)
         try:
             return fn(q, k, v, **kwargs)
         except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
-            warnings.warn(f"attnopt: candidate {self.candidate!r} failed at {self.site_name} ({self.where}): "
+            warnings.warn(f"attnopt: candidate {name!r} failed at {self.site_name} ({self.where}): "
                           f"{type(e).__name__}: {e}; running the reference computation instead", stacklevel=3)
-            log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name,
-                        self.candidate, e)
+            log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
             self._fell_back = True
             return get_candidate("math")(q, k, v, **kwargs)

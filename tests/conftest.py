@@ -38,6 +38,13 @@ def _fresh_dynamo_and_seed(request: pytest.FixtureRequest):
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _private_tuning_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Every test tunes into its own cache directory: no test sees another's timings or the user's cache."""
+    monkeypatch.setenv("ATTNOPT_CACHE_DIR", str(tmp_path_factory.mktemp("attnopt-cache")))
+    monkeypatch.delenv("ATTNOPT_VARIANT", raising=False)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     """Report how many distinct spelling combinations the property tests exercised."""
     mod = sys.modules.get("test_properties") or sys.modules.get("tests.test_properties")

@@ -1,0 +1,382 @@
+"""The profile-guided selector: time every legal candidate for the real shapes, keep the fastest.
+
+``variant="auto"`` rewrites each proven site to an :class:`~attnopt.runtime.AttentionSite`
+whose candidate is chosen here, per *shape key*::
+
+    (batch, q heads, kv heads, Tq bucket, Tk bucket, head dim, v head dim, dtype, device,
+     mask kind, causal, score modifier, GQA, dropout active, gradients needed)
+
+Tq and Tk are bucketed to the next power of two, so a model called with many lengths tunes
+once per bucket and then dispatches with one dictionary lookup per call. Sites with the same
+spec and shape key share one tuning.
+
+Tuning one key (:meth:`Selector.tune`):
+
+1. *Legal candidates*: every registered candidate whose ``supports(spec)`` and
+   ``available(device)`` return None (the reasons of the others are kept for ``explain()``).
+2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
+   site's real mask (its pattern is part of the function).
+3. *Check*: each candidate's output (and, when gradients are needed, its q/k/v gradients)
+   must match the reference computation within the dtype's tolerance before it may win;
+   rows whose reference is NaN (every key masked) are skipped, since the site restores them.
+   A candidate that raises or differs scores infinity and is recorded as rejected.
+4. *Time*: one warm-up call each, then rounds that call every surviving candidate once in
+   turn (``a b c a b c``), synchronising the device around each call (CUDA events on GPU);
+   the median per candidate. After the first round a candidate more than ``prune`` times
+   slower than the best is not timed again (it cannot be within 5% of it).
+5. *Memory*: each candidate's peak tensor memory for one call (:func:`attnopt.measure.peak_memory`);
+   with a ``memory_budget`` candidates above it are rejected; if none fits, the one with the
+   lowest peak is kept and a warning says so.
+6. *Keep* the fastest; store every timing in the :class:`~attnopt.tuning_cache.TuningCache`
+   (on disk, keyed by attnopt/torch version, device and candidate set) so later processes
+   skip tuning; under ``torch.distributed`` rank 0 tunes and broadcasts its choice
+   (:func:`attnopt.distributed.agree`) so every rank runs the same kernels.
+
+Timer and memory meter are injectable (``Selector(timer=..., memory=...)``) so the policy is
+tested deterministically.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from .candidates import candidate_names, get_candidate, reference_attention
+from .distributed import agree
+from .passes.verify import tolerance
+from .site import AttentionSpec
+from .tuning_cache import TuningCache, TuningEntry
+
+log = logging.getLogger("attnopt")
+
+#: ``timer(candidate_name, run) -> seconds`` for one call of ``run``.
+Timer = Callable[[str, Callable[[], Any]], float]
+#: ``memory(candidate_name, run) -> bytes`` of peak tensor memory during one call of ``run``.
+MemoryMeter = Callable[[str, Callable[[], Any]], int]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``512 * 2**20``, ``"512MiB"``, ``"2GB"`` or None -> bytes (or None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"memory_budget must be a number of bytes or a string like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        if unit not in _UNITS or not digits:
+            raise ValueError(f"cannot read memory_budget {value!r}; write bytes as an int or e.g. '512MiB', '2GB'")
+        n = int(float(digits) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"memory_budget must be positive, got {value!r}")
+    return n
+
+
+def _bucket(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """What the choice of a candidate may depend on (see the module docstring)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    tq: int
+    tk: int
+    head_dim: int
+    v_dim: int
+    dtype: str
+    device: str
+    mask: str
+    causal: bool
+    score_mod: str
+    gqa: bool
+    dropout: bool
+    grad: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        heads = f"H={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
+        flags = (("causal", self.causal), (self.mask + " mask", self.mask != "none" and not self.causal),
+                 ("dropout", self.dropout), ("grad", self.grad), (self.score_mod, bool(self.score_mod)))
+        extra = [x for x, on in flags if on]
+        return (f"B={self.batch} {heads} Tq<={self.tq} Tk<={self.tk} D={self.head_dim} "
+                f"{self.dtype.replace('torch.', '')} {self.device}" + ("".join(f", {e}" for e in extra)))
+
+
+def shape_key(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+              mask: torch.Tensor | None, dropout: bool, grad: bool) -> ShapeKey:
+    """The key of a call with 4-D ``q``, ``k``, ``v`` (as the site passes them to candidates)."""
+    mask_kind = "none" if mask is None else ("bool" if mask.dtype == torch.bool else "additive")
+    return ShapeKey(int(q.size(0)), int(q.size(1)), int(k.size(1)), _bucket(int(q.size(2))), _bucket(int(k.size(2))),
+                    int(q.size(3)), int(v.size(3)), str(q.dtype), q.device.type, mask_kind, causal,
+                    spec.score_mod or "", spec.gqa, dropout, grad)
+
+
+def default_timer(name: str, run: Callable[[], Any]) -> float:
+    """Seconds for one ``run()``: CUDA events on GPU, ``perf_counter`` with synchronisation otherwise."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+def default_memory(name: str, run: Callable[[], Any]) -> int:
+    from .measure import peak_memory
+
+    return peak_memory(lambda: run(), warmup=0)
+
+
+@dataclass
+class Call:
+    """One call to tune for: the arguments the site passes to its candidate."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kwargs: dict[str, Any]
+    grad: bool
+
+
+class Selector:
+    """Chooses a candidate per (spec, shape key) by measurement; shared by every site of a model."""
+
+    def __init__(self, *, timer: Timer | None = None, memory: MemoryMeter | None = None,
+                 memory_budget: int | str | None = None, cache: TuningCache | None | bool = True,
+                 candidates: list[str] | None = None, repeats: int = 7, prune: float = 2.0):
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        self.timer = timer or default_timer
+        self.memory = memory or default_memory
+        self.memory_budget = parse_bytes(memory_budget)
+        self.cache = TuningCache() if cache is True else (cache or None)
+        self.only = list(candidates) if candidates is not None else None
+        self.repeats = repeats
+        self.prune = prune
+        self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
+        self._lock = threading.Lock()
+
+    # -- which candidates may serve a site -------------------------------------------------------
+
+    def legal(self, spec: AttentionSpec, device: torch.device | str) -> tuple[list[str], dict[str, str]]:
+        """Names of candidates that can serve ``spec`` on ``device``, and why the others cannot."""
+        ok, why = [], {}
+        for name in self.only if self.only is not None else candidate_names():
+            cand = get_candidate(name)
+            reason = cand.supports(spec)
+            if reason is None and hasattr(cand, "available"):
+                reason = cand.available(torch.device(device))
+            if reason is None:
+                ok.append(name)
+            else:
+                why[name] = reason
+        return ok, why
+
+    # -- choosing ----------------------------------------------------------------------------------
+
+    def choose(self, spec: AttentionSpec, key: ShapeKey, call: Call) -> TuningEntry:
+        """The entry (choice and timings) for ``key``, tuning on ``call`` on the first request."""
+        with self._lock:
+            entry = self.entries.get((spec, key))
+            if entry is not None:
+                return entry
+            names, refused = self.legal(spec, call.q.device)
+            # Under torch.distributed only rank 0 reads its cache or tunes: ranks with different
+            # caches must still run the same kernels (and all enter the broadcast).
+            entry = agree(lambda: self._cached_or_tuned(spec, key, call, names, refused))
+            self.entries[(spec, key)] = entry
+            return entry
+
+    def _cached_or_tuned(self, spec: AttentionSpec, key: ShapeKey, call: Call, names: list[str],
+                         refused: Mapping[str, str]) -> TuningEntry:
+        if self.cache is None:
+            return self.tune(spec, key, call, names, refused)
+        cache_key = self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget},
+                                   names, call.q.device)
+        entry = self.cache.lookup(cache_key)
+        if entry is None or entry.choice not in names:
+            entry = self.tune(spec, key, call, names, refused)
+            self.cache.store(cache_key, entry)
+        return entry
+
+    def tune(self, spec: AttentionSpec, key: ShapeKey, call: Call, names: list[str],
+             refused: Mapping[str, str] | None = None) -> TuningEntry:
+        """Check, time and measure ``names`` on random inputs shaped like ``call``; keep the fastest."""
+        start = time.perf_counter()
+        rejected = dict(refused or {})
+        timings = {name: math.inf for name in names}
+        peaks: dict[str, int] = {}
+        runs = _Runs(call)
+        expected = runs.reference()
+        live = []
+        for name in names:
+            try:
+                problem = runs.check(name, expected)
+            except Exception as e:  # noqa: BLE001 - a raising candidate scores infinity
+                problem = _raised(e)
+            if problem:
+                rejected[name] = problem
+            else:
+                live.append(name)
+        samples: dict[str, list[float]] = {name: [] for name in live}
+        for round_ in range(self.repeats):
+            for name in list(live):
+                try:
+                    samples[name].append(self.timer(name, runs.runner(name)))
+                except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
+                    rejected[name] = _raised(e)
+                    live.remove(name)
+                    del samples[name]
+            if round_ == 0 and len(live) > 1:
+                best = min(samples[n][0] for n in live)
+                live = [n for n in live if samples[n][0] <= self.prune * best]
+        for name, s in samples.items():
+            timings[name] = statistics.median(s) * 1e3
+        for name in samples:
+            try:
+                peaks[name] = int(self.memory(name, runs.runner(name)))
+            except Exception as e:  # noqa: BLE001
+                rejected[name] = f"peak memory could not be measured: {_raised(e)}"
+                timings[name] = math.inf
+        ok = [n for n in samples if math.isfinite(timings[n])]
+        if self.memory_budget is not None:
+            fits = [n for n in ok if peaks.get(n, 0) <= self.memory_budget]
+            for n in ok:
+                if n not in fits:
+                    rejected[n] = f"peak {peaks[n] / 2**20:.1f} MiB is over the memory budget"
+            if not fits and ok:
+                lowest = min(ok, key=lambda n: peaks[n])
+                warnings.warn(f"attnopt: no candidate fits the memory budget of {self.memory_budget / 2**20:.1f} MiB "
+                              f"for {key.describe()}; using {lowest} (peak {peaks[lowest] / 2**20:.1f} MiB)",
+                              stacklevel=2)
+                fits = [lowest]
+            ok = fits
+        if not ok:
+            choice = "math"
+            rejected.setdefault("math", "no candidate passed; the reference computation runs")
+        else:
+            choice = min(ok, key=lambda n: timings[n])
+        entry = TuningEntry(choice=choice, timings_ms=timings, peak_bytes=peaks, rejected=rejected,
+                            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            tuning_s=time.perf_counter() - start)
+        log.info("tuned %s: %s (%s)", key.describe(), choice, format_timings(entry))
+        return entry
+
+
+def _raised(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return f"raised {type(e).__name__}: {text}"
+
+
+def format_timings(entry: TuningEntry, limit: int = 8) -> str:
+    """``sdpa_flash 1.21 ms*, sdpa 1.25 ms, math 9.8 ms, tiled64 rejected (...)`` for explain()."""
+    parts = []
+    for name, ms in sorted(entry.timings_ms.items(), key=lambda kv: kv[1])[:limit]:
+        if math.isfinite(ms):
+            mem = entry.peak_bytes.get(name)
+            parts.append(f"{name} {ms:.3g} ms" + (f" {mem / 2**20:.3g} MiB" if mem is not None else "")
+                         + ("*" if name == entry.choice else ""))
+    for name, why in entry.rejected.items():
+        if name in entry.timings_ms:
+            parts.append(f"{name}: {why}")
+    return ", ".join(parts)
+
+
+class _Runs:
+    """Random inputs shaped like one call, and closures that run a candidate on them."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        gen = torch.Generator(device="cpu").manual_seed(0)
+
+        def rand(t: torch.Tensor) -> torch.Tensor:
+            x = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+            return x.requires_grad_(call.grad)
+
+        self.q, self.k, self.v = rand(call.q), rand(call.k), rand(call.v)
+        kwargs = dict(call.kwargs)
+        mask = kwargs.get("attn_mask")
+        if isinstance(mask, torch.Tensor):
+            kwargs["attn_mask"] = mask.detach().requires_grad_(call.grad and mask.requires_grad)
+        self.kwargs = kwargs
+        self.grad_out: torch.Tensor | None = None
+
+    def _forward(self, name: str, **override: Any) -> torch.Tensor:
+        fn = reference_attention if name == "__reference__" else get_candidate(name)
+        kwargs = {**self.kwargs, **override}
+        return fn(self.q, self.k, self.v, **kwargs)
+
+    def runner(self, name: str) -> Callable[[], Any]:
+        call = self.call
+
+        def run() -> Any:
+            if not call.grad:
+                with torch.no_grad():
+                    return self._forward(name)
+            with torch.enable_grad():
+                out = self._forward(name)
+                if self.grad_out is None:
+                    self.grad_out = torch.randn_like(out)
+                grads = torch.autograd.grad(out, (self.q, self.k, self.v), self.grad_out, allow_unused=True)
+            return out, grads
+
+        return run
+
+    def _results(self, name: str) -> list[torch.Tensor | None]:
+        # Correctness is checked without dropout: with it, outputs are random by design.
+        with torch.enable_grad() if self.call.grad else torch.no_grad():
+            out = self._forward(name, dropout_p=0.0)
+            if not self.call.grad:
+                return [out.detach()]
+            if self.grad_out is None:
+                self.grad_out = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (self.q, self.k, self.v), self.grad_out, allow_unused=True)
+        return [out.detach(), *grads]
+
+    def reference(self) -> list[torch.Tensor | None]:
+        return self._results("__reference__")
+
+    def check(self, name: str, expected: list[torch.Tensor | None]) -> str | None:
+        got = self._results(name)
+        atol, rtol = tolerance(self.q.dtype)
+        labels = ["output", "grad q", "grad k", "grad v"]
+        for label, e, a in zip(labels, expected, got):
+            if e is None:
+                continue
+            if a is None or a.shape != e.shape:
+                return f"{label}: missing or of shape {None if a is None else tuple(a.shape)}"
+            keep = ~torch.isnan(e)
+            if label == "output" and keep.dim() == 4:
+                keep = keep.all(-1, keepdim=True).expand_as(e)  # NaN rows are restored by the site
+            diff = (a.float() - e.float()).abs()
+            bad = keep & ~(diff <= atol + rtol * e.float().abs())
+            if bool(bad.any()):
+                worst = diff[keep].max().item() if bool(keep.any()) else float("nan")
+                return f"{label} differs from the reference (max abs difference {worst:.3g})"
+        return None

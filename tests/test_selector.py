@@ -1,0 +1,280 @@
+"""The profile-guided selector, driven by an injected fake timer and memory meter (deterministic).
+
+The real timer is exercised by the end-to-end tests (it must produce a legal choice and equal
+outputs); which candidate is fastest on this machine is a benchmark question
+(``benchmarks/bench_select.py``), never asserted here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import attnopt
+from attnopt import candidates as cand_mod
+from attnopt.candidates import FunctionCandidate, reference_attention
+from attnopt.selector import Call, Selector, parse_bytes, shape_key
+from attnopt.site import AttentionSpec
+from attnopt.tuning_cache import TuningCache
+
+
+class FakeClock:
+    """Seconds per candidate name; counts calls so tests can tell a cache hit from a tuning."""
+
+    def __init__(self, times: dict[str, float], peaks: dict[str, int] | None = None, default: float = 1.0):
+        self.times, self.peaks, self.default = times, peaks or {}, default
+        self.timed: list[str] = []
+        self.measured: list[str] = []
+
+    def timer(self, name, run):
+        run()  # candidates really run: a raising one must raise here too
+        self.timed.append(name)
+        return self.times.get(name, self.default)
+
+    def memory(self, name, run):
+        run()
+        self.measured.append(name)
+        return self.peaks.get(name, 1000)
+
+
+SPEC = AttentionSpec(scale=0.25, causal="top_left")
+NAMES = ["math", "sdpa", "sdpa_flash", "sdpa_math"]
+
+
+def _call(grad=False, b=2, h=4, t=16, d=8):
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    kwargs = dict(attn_mask=None, dropout_p=0.0, is_causal=True, scale=0.25, enable_gqa=False)
+    return Call(q, k, v, kwargs, grad)
+
+
+def _choose(selector, call=None, spec=SPEC):
+    call = call or _call()
+    key = shape_key(spec, call.q, call.k, call.v, causal=True, mask=None, dropout=False, grad=call.grad)
+    return selector.choose(spec, key, call)
+
+
+def _selector(clock, tmp_path, names=NAMES, **kw):
+    return Selector(timer=clock.timer, memory=clock.memory, cache=TuningCache(tmp_path), candidates=names, **kw)
+
+
+def test_picks_the_fastest_and_keeps_every_timing(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 3.0, "sdpa_flash": 1.0, "sdpa_math": 4.0})
+    entry = _choose(_selector(clock, tmp_path, prune=100.0), _call())
+    assert entry.choice == "sdpa_flash"
+    assert entry.timings_ms == {"math": 5000.0, "sdpa": 3000.0, "sdpa_flash": 1000.0, "sdpa_math": 4000.0}
+    assert set(entry.peak_bytes) == set(NAMES)
+
+
+def test_the_choice_changes_with_the_timer(tmp_path):
+    clock = FakeClock({"math": 0.5, "sdpa": 3.0, "sdpa_flash": 1.0, "sdpa_math": 4.0})
+    assert _choose(_selector(clock, tmp_path), _call()).choice == "math"
+
+
+def test_slow_candidates_are_pruned_after_one_round(tmp_path):
+    clock = FakeClock({"math": 10.0, "sdpa": 1.0, "sdpa_flash": 1.1, "sdpa_math": 1.5})
+    entry = _choose(_selector(clock, tmp_path, repeats=5, prune=2.0), _call())
+    assert clock.timed.count("math") == 1  # > 2x the best after round one
+    assert clock.timed.count("sdpa") == 5
+    assert entry.choice == "sdpa"
+
+
+def test_memory_budget_is_honoured(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 3.0, "sdpa_flash": 1.0, "sdpa_math": 4.0},
+                      peaks={"math": 10**6, "sdpa": 10**6, "sdpa_flash": 10**9, "sdpa_math": 10**6})
+    entry = _choose(_selector(clock, tmp_path, memory_budget="100MB"), _call())
+    assert entry.choice == "sdpa"
+    assert "over the memory budget" in entry.rejected["sdpa_flash"]
+
+
+def test_nothing_fits_the_budget_keeps_the_smallest_with_a_warning(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 1.0}, peaks={"math": 3 * 10**6, "sdpa": 9 * 10**6})
+    with pytest.warns(UserWarning, match="no candidate fits the memory budget"):
+        entry = _choose(_selector(clock, tmp_path, names=["math", "sdpa"], memory_budget=1000), _call())
+    assert entry.choice == "math"
+
+
+def _register(monkeypatch, name, fn):
+    monkeypatch.setitem(cand_mod._REGISTRY, name, FunctionCandidate(name, fn, lambda spec: None))
+
+
+def test_a_wrong_candidate_never_wins_however_fast(tmp_path, monkeypatch):
+    _register(monkeypatch, "wrong", lambda q, k, v, **kw: reference_attention(q, k, v, **kw) * 1.01)
+    clock = FakeClock({"wrong": 0.001, "sdpa": 1.0, "math": 2.0})
+    entry = _choose(_selector(clock, tmp_path, names=["wrong", "sdpa", "math"]), _call())
+    assert entry.choice == "sdpa"
+    assert "output differs" in entry.rejected["wrong"]
+    assert entry.timings_ms["wrong"] == math.inf
+    assert "wrong" not in clock.timed
+
+
+class _BadGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def test_a_wrong_gradient_is_rejected_when_gradients_are_needed(tmp_path, monkeypatch):
+    _register(monkeypatch, "badgrad", lambda q, k, v, **kw: reference_attention(_BadGrad.apply(q), k, v, **kw))
+    clock = FakeClock({"badgrad": 0.001, "sdpa": 1.0})
+    assert _choose(_selector(clock, tmp_path, names=["badgrad", "sdpa"]), _call(grad=False)).choice == "badgrad"
+    entry = _choose(_selector(clock, tmp_path / "g", names=["badgrad", "sdpa"]), _call(grad=True))
+    assert entry.choice == "sdpa"
+    assert "grad q differs" in entry.rejected["badgrad"]
+
+
+def test_a_raising_candidate_scores_infinity(tmp_path, monkeypatch):
+    def boom(q, k, v, **kw):
+        raise RuntimeError("no kernel for this shape")
+
+    _register(monkeypatch, "boom", boom)
+    clock = FakeClock({"boom": 0.001, "sdpa": 1.0})
+    entry = _choose(_selector(clock, tmp_path, names=["boom", "sdpa"]), _call())
+    assert entry.choice == "sdpa"
+    assert entry.timings_ms["boom"] == math.inf
+    assert "no kernel for this shape" in entry.rejected["boom"]
+
+
+def test_cache_hit_skips_tuning_and_a_new_candidate_set_retunes(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 1.0, "sdpa_flash": 2.0, "sdpa_math": 4.0})
+    first = _choose(_selector(clock, tmp_path), _call())
+    n = len(clock.timed)
+    assert n > 0
+    second = _choose(_selector(clock, tmp_path), _call())  # a new process would build a new Selector
+    assert len(clock.timed) == n and second.choice == first.choice
+    _choose(_selector(clock, tmp_path, names=["math", "sdpa"]), _call())
+    assert len(clock.timed) > n
+
+
+def test_shape_buckets_share_one_tuning(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 1.0, "sdpa_flash": 2.0, "sdpa_math": 4.0})
+    sel = _selector(clock, tmp_path)
+    _choose(sel, _call(t=20))
+    n = len(clock.timed)
+    _choose(sel, _call(t=31))  # same power-of-two bucket (32)
+    assert len(clock.timed) == n
+    _choose(sel, _call(t=33))  # next bucket
+    assert len(clock.timed) > n
+
+
+def test_parse_bytes():
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes(1234) == 1234
+    assert parse_bytes(None) is None
+    for bad in ("lots", "12 parsecs", -5, 0):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    with pytest.raises(TypeError):
+        parse_bytes(1.5)  # type: ignore[arg-type]
+
+
+class Attn(nn.Module):
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.h, self.qkv, self.proj = h, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.h))
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = att.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_optimize_auto_uses_the_selector_per_bucket_and_explains(tmp_path):
+    model = Attn().eval()
+    clock = FakeClock({"math": 5.0, "sdpa": 3.0, "sdpa_flash": 1.0, "sdpa_math": 4.0})
+    opt = attnopt.optimize(model, selector=_selector(clock, tmp_path))
+    with torch.no_grad():
+        for t in (9, 12, 30):
+            x = torch.randn(2, t, 32)
+            torch.testing.assert_close(opt(x), model(x))
+    report = attnopt.explain(opt)
+    tuned = {key: e.choice for r in report.records for key, e in r.extra.get("tuning", {}).items()}
+    assert len(tuned) == 2 and set(tuned.values()) == {"sdpa_flash"}  # buckets 16 (9, 12) and 32 (30)
+    assert "selector choices" in str(report) and "sdpa_flash 1e+03 ms" in str(report)
+
+
+def test_optimize_auto_with_real_timer_matches_with_gradients():
+    model = Attn()
+    opt = attnopt.optimize(model, memory_budget="1GiB")
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    out = opt(x)
+    out.sum().backward()
+    g_opt = x.grad.clone()
+    x.grad = None
+    ref = model(x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g_opt, x.grad)
+    entries = [e for r in attnopt.explain(opt).records for e in r.extra.get("tuning", {}).values()]
+    assert entries and all(e.choice in attnopt.candidate_names() for e in entries)
+    assert all(math.isfinite(e.timings_ms[e.choice]) for e in entries)
+
+
+def test_environment_variable_overrides_the_variant(monkeypatch):
+    monkeypatch.setenv("ATTNOPT_VARIANT", "math")
+    opt = attnopt.optimize(Attn().eval())
+    with torch.no_grad():
+        opt(torch.randn(1, 6, 32))
+    assert {r.rewrite for r in attnopt.explain(opt).records} == {"math"}
+    monkeypatch.setenv("ATTNOPT_VARIANT", "nonsense")
+    with pytest.raises(ValueError, match="unknown variant 'nonsense'"):
+        attnopt.optimize(Attn())
+
+
+def test_memory_budget_needs_the_selector():
+    with pytest.raises(ValueError, match="variant='auto'"):
+        attnopt.optimize(Attn(), variant="sdpa", memory_budget="1GiB")
+
+
+def test_tune_ahead_of_time_over_a_sweep(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 3.0, "sdpa_flash": 1.0, "sdpa_math": 4.0})
+    opt = attnopt.tune(Attn().eval(), lambda b, t: (torch.randn(b, t, 32),), batch_sizes=[1, 2], seq_lens=[8, 40],
+                       progress=False, selector=_selector(clock, tmp_path))
+    keys = {key for r in attnopt.explain(opt).records for key in r.extra.get("tuning", {})}
+    assert len(keys) == 4
+    # The disk cache now answers a new model's selector without timing anything.
+    clock2 = FakeClock({})
+    opt2 = attnopt.optimize(Attn().eval(), selector=_selector(clock2, tmp_path))
+    with torch.no_grad():
+        opt2(torch.randn(2, 40, 32))
+    assert clock2.timed == []
+    with pytest.raises(ValueError, match="batch_sizes"):
+        attnopt.tune(Attn(), lambda b, t: (torch.randn(b, t, 32),))
+
+
+def _rank(rank: int, world: int, init: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["ATTNOPT_CACHE_DIR"] = os.path.join(out_dir, f"cache{rank}")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        fastest = "sdpa_math" if rank == 0 else "math"  # each rank's own timings disagree
+        clock = FakeClock({n: (0.1 if n == fastest else 1.0) for n in NAMES})
+        entry = _choose(Selector(timer=clock.timer, memory=clock.memory, candidates=NAMES), _call())
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{entry.choice} {len(clock.timed)}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_torch_distributed_every_rank_runs_rank0s_choice(tmp_path):
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_rank, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    r0 = (tmp_path / "rank0.txt").read_text().split()
+    r1 = (tmp_path / "rank1.txt").read_text().split()
+    assert r0[0] == r1[0] == "sdpa_math"
+    assert int(r0[1]) > 0 and int(r1[1]) == 0  # rank 1 never timed anything
