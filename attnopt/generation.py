@@ -36,6 +36,7 @@ dtype's tolerance, like every attnopt rewrite. Dropout must be inactive (``model
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -285,8 +286,12 @@ def _capture(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Nod
     device = param.device if param is not None else torch.device("cpu")
     example = torch.zeros(2, example_len, dtype=torch.long, device=device)
     dim = torch.export.Dim.AUTO
+    params = list(inspect.signature(model.forward).parameters)
+    # Hugging Face models build their own cache object unless told not to; it is not part of the logits.
+    kwargs = {"use_cache": False} if "use_cache" in params else {}
+    dynamic = {params[0]: {0: dim, 1: dim}, **{k: None for k in kwargs}} if params else None
     try:
-        ep = torch.export.export(model, (example,), dynamic_shapes=({0: dim, 1: dim},))
+        ep = torch.export.export(model, (example,), kwargs, dynamic_shapes=dynamic)
     except Exception as e:
         raise RuntimeError(f"torch.export could not capture {type(model).__name__}.forward(idx) with a dynamic "
                            f"batch and sequence length: {type(e).__name__}: {e}") from e
@@ -301,6 +306,10 @@ def _capture(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Nod
         if node.op == "call_module" and str(node.target).startswith("_guards"):
             graph.erase_node(node)  # input range checks; the cache checks max_len itself
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for extra in placeholders[1:]:  # use_cache=False: specialised at capture, unused
+        if not extra.users:
+            graph.erase_node(extra)
+            placeholders.remove(extra)
     if len(placeholders) != 1:
         raise PositionError(f"{type(model).__name__}.forward(idx) was captured with {len(placeholders)} inputs; "
                             "only forward(idx) with token ids is supported")

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import operator
+import os
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,10 +127,22 @@ def _name(node: fx.Node) -> str:
 
 
 def describe(node: fx.Node) -> str:
-    """``aten.cumsum at model.py:12 (h.0.mix)``: the op and the user code that produced it."""
+    """``aten.cumsum at model.py:12 (h.0.mix)``: the op and the user code that produced it.
+
+    The line is the innermost frame of the node's ``stack_trace`` outside PyTorch itself (an
+    ``nn.Conv1d`` is named where the model calls it, not inside ``torch/nn``).
+    """
     path, source = _where(node)
+    for fname, lineno in reversed(_TRACE_LINE.findall(node.meta.get("stack_trace") or "")):
+        if not os.path.abspath(fname).startswith(_TORCH_DIR):
+            source = f"{os.path.basename(fname)}:{lineno}"
+            break
     at = f" at {source}" if source else ""
     return f"{_name(node)}{at}" + (f" ({path})" if path else "")
+
+
+_TRACE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 class _Analysis:

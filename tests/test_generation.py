@@ -1,0 +1,240 @@
+"""KV-cached generation: same logits and tokens as the full-recompute loop, and refusals that name the op."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from llama_style import LlamaConfig, LlamaStyle
+
+from attnopt import generation
+from attnopt.generation import CachedLM, PositionError, cached, generate, generate_plain
+from attnopt.models import GPTConfig, NanoGPT
+
+VOCAB = 64
+
+
+def _nanogpt(**kw) -> NanoGPT:
+    torch.manual_seed(0)
+    cfg = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, block_size=24)
+    cfg.update(kw)
+    return NanoGPT(GPTConfig(**cfg)).eval()
+
+
+def _llama(**kw) -> LlamaStyle:
+    torch.manual_seed(0)
+    return LlamaStyle(LlamaConfig(**kw)).eval()
+
+
+@pytest.fixture(scope="module")
+def nano() -> tuple[NanoGPT, CachedLM]:
+    model = _nanogpt()
+    return model, cached(model)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[LlamaStyle, CachedLM]:
+    model = _llama()
+    return model, cached(model)
+
+
+@pytest.fixture(params=["nanogpt", "llama-gqa"])
+def lm(request, nano, llama) -> tuple[nn.Module, CachedLM]:
+    return nano if request.param == "nanogpt" else llama
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def test_prefill_and_steps_match_the_full_recompute(lm):
+    model, c = lm
+    idx = torch.randint(0, VOCAB, (3, 5))
+    torch.testing.assert_close(c.prefill(idx), model(idx), atol=1e-5, rtol=1e-5)
+    seq = idx
+    for t in (1, 3, 1, 2):  # one token (no mask), several (bottom-right mask), again one
+        new = torch.randint(0, VOCAB, (3, t))
+        seq = torch.cat((seq, new), dim=1)
+        torch.testing.assert_close(c.step(new), model(seq)[:, -t:], atol=1e-5, rtol=1e-5)
+    assert c.length == seq.size(1) == 12
+
+
+def test_greedy_tokens_equal_the_plain_loop(lm):
+    model, c = lm
+    idx = torch.randint(0, VOCAB, (2, 4))
+    out = generate(c, idx, 15)
+    assert out.shape == (2, 19) and torch.equal(out[:, :4], idx)
+    assert torch.equal(out, generate_plain(model, idx, 15))
+
+
+def test_seeded_sampling_equals_the_plain_loop(lm):
+    model, c = lm
+    idx = torch.randint(0, VOCAB, (2, 3))
+    kw = dict(do_sample=True, temperature=1.3, top_k=20)
+    got = generate(c, idx, 16, generator=torch.Generator().manual_seed(7), **kw)
+    ref = generate_plain(model, idx, 16, generator=torch.Generator().manual_seed(7), **kw)
+    other = generate_plain(model, idx, 16, generator=torch.Generator().manual_seed(8), **kw)
+    assert torch.equal(got, ref)
+    assert not torch.equal(ref, other)  # the samples do depend on the generator
+
+
+def test_generate_from_a_module_and_batch_of_one():
+    model = _llama(rope_tables=False)  # rotary angles computed from arange(T) in forward
+    idx = torch.randint(0, VOCAB, (1, 6))
+    assert torch.equal(generate(model, idx, 10), generate_plain(model, idx, 10))
+
+
+def test_nanogpt_tuple_output_is_read_as_logits():
+    class WithLoss(NanoGPT):
+        def forward(self, idx):
+            return super().forward(idx), None
+
+    torch.manual_seed(0)
+    model = WithLoss(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, block_size=16)).eval()
+    idx = torch.randint(0, VOCAB, (2, 4))
+    assert torch.equal(generate(model, idx, 6), generate_plain(model, idx, 6))
+
+
+# ----------------------------------------------------------------------------- cache and limits
+
+
+def test_cache_memory_and_gqa_heads(nano, llama):
+    (_, c_nano), (llama_model, c_llama) = nano, llama
+    assert c_nano.bytes_per_token == 2 * 2 * 32 * 4  # layers * (K + V) * C * fp32
+    cfg = llama_model.cfg
+    assert c_llama.bytes_per_token == cfg.n_layers * 2 * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * 4
+    c_llama.prefill(torch.randint(0, VOCAB, (3, 4)))
+    assert c_llama.sites[0].k_cache.shape == (3, cfg.n_kv_heads, cfg.max_seq_len, cfg.dim // cfg.n_heads)
+    assert c_llama.cache_bytes == 3 * cfg.max_seq_len * c_llama.bytes_per_token
+    text = c_llama.describe()
+    assert "2 attention site(s)" in text and "GQA" in text and f"{c_llama.bytes_per_token} B" in text
+
+
+def test_max_len_found_in_the_model_and_enforced(nano, llama):
+    (_, c_nano), (_, c_llama) = nano, llama
+    assert c_nano.max_len == 24 and c_llama.max_len == 48
+    c_nano.prefill(torch.randint(0, VOCAB, (1, 20)))
+    with pytest.raises(ValueError, match="exceed max_len=24"):
+        c_nano.step(torch.randint(0, VOCAB, (1, 5)))
+    with pytest.raises(ValueError, match="exceed max_len=24"):
+        c_nano.prefill(torch.randint(0, VOCAB, (1, 25)))
+    with pytest.raises(ValueError, match="needs 30 positions, more than max_len=24"):
+        generate(c_nano, torch.randint(0, VOCAB, (1, 10)), 21)
+
+
+def test_max_len_beyond_a_position_table_is_refused():
+    model = _nanogpt(n_layer=1)
+    with pytest.raises(ValueError, match=r"max_len=40 exceeds .* 24 positions"):
+        cached(model, max_len=40)
+    assert cached(model, max_len=10).max_len == 10
+
+
+def test_bad_calls_say_what_to_do(nano):
+    model, c = nano
+    c.reset()
+    with pytest.raises(RuntimeError, match="call prefill"):
+        c.step(torch.zeros(1, 1, dtype=torch.long))
+    c.prefill(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch size 1 but the cached sequences 2"):
+        c.step(torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"add a batch dim"):
+        generate(c, torch.zeros(5, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(c, torch.zeros(1, 3, dtype=torch.long), 3, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate_plain(model, torch.zeros(1, 3, dtype=torch.long), 3, top_k=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        cached(lambda idx: idx)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+class TinyLM(nn.Module):
+    """Embeddings, one op under test, a head: the op decides whether a cache is exact."""
+
+    def __init__(self, mix: nn.Module, block_size: int = 16):
+        super().__init__()
+        self.config = GPTConfig(block_size=block_size, vocab_size=VOCAB, n_embd=16)
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.mix = mix
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, idx):
+        return self.head(self.mix(self.wte(idx)))
+
+
+class CausalConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(16, 16, kernel_size=3, padding=2)
+
+    def forward(self, x):
+        t = x.size(1)
+        return self.conv(x.transpose(1, 2))[:, :, :t].transpose(1, 2)
+
+
+class Cumsum(nn.Module):
+    def forward(self, x):
+        return x.cumsum(dim=1)
+
+
+class MeanPool(nn.Module):
+    def forward(self, x):
+        return x - x.mean(dim=1, keepdim=True)
+
+
+class ByLength(nn.Module):
+    def forward(self, x):
+        return x / x.size(1)
+
+
+class Bidirectional(nn.Module):
+    """nanoGPT's attention without its causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, 2, 8).transpose(1, 2) for y in self.qkv(x).split(16, dim=2))
+        att = F.softmax((q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(8)), dim=-1)
+        return (att @ v).transpose(1, 2).reshape(b, t, c)
+
+
+@pytest.mark.parametrize("mix, op, why", [
+    (CausalConv(), "aten.conv1d", "not known to act on each position separately"),
+    (Cumsum(), "aten.cumsum", "works along the sequence axis"),
+    (MeanPool(), "aten.mean", "works along the sequence axis"),
+    (ByLength(), "aten.div", "uses the sequence length"),
+    (Bidirectional(), "aten.matmul", "not causal self-attention"),
+], ids=["causal-conv", "cumsum", "mean-pool", "divide-by-length", "bidirectional-attention"])
+def test_sequence_mixing_is_refused_naming_op_and_line(mix, op, why):
+    with pytest.raises(PositionError) as info:
+        cached(TinyLM(mix))
+    msg = str(info.value)
+    assert op in msg and why in msg and "test_generation.py:" in msg, msg
+
+
+def test_active_dropout_is_refused():
+    model = _nanogpt(n_layer=1, dropout=0.1).train()
+    with pytest.raises(PositionError, match=r"aten.dropout at models.py:\d+.*call model.eval\(\)"):
+        cached(model)
+
+
+def test_last_position_only_output_is_refused():
+    class LastOnly(NanoGPT):
+        def forward(self, idx):
+            return super().forward(idx)[:, -1:, :]
+
+    torch.manual_seed(0)
+    model = LastOnly(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, block_size=16)).eval()
+    with pytest.raises(PositionError, match="slices the sequence axis"):
+        cached(model)
+
+
+def test_public_names():
+    assert set(generation.__all__) >= {"cached", "generate", "generate_plain", "CachedLM"}
