@@ -265,9 +265,8 @@ class _Session:
                 rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
                                   "module": mem.module, "site": mem.site}
                 if self.trace_dir is not None and self.dev.type == "cuda":
-                    path = self.trace_dir / "traces" / f"{phase}_B{b}_T{t}_{v}_memory.html"
-                    mem.profiler.export_memory_timeline(str(path), device=str(self.dev))
-                    rec["memory_timeline"] = str(path)
+                    rec["memory_timeline"] = _memory_timeline(mem.profiler, self.trace_dir / "traces" /
+                                                              f"{phase}_B{b}_T{t}_{v}_memory", self.dev)
             except Exception as e:  # noqa: BLE001 - record it, keep sweeping
                 _failed(rec, e)
                 self._release()
@@ -420,6 +419,23 @@ class _Session:
     def _release(self) -> None:
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _memory_timeline(prof: Any, stem: Path, dev: torch.device) -> str | None:
+    """torch.profiler's memory timeline of ``prof`` (an HTML plot with matplotlib, else JSON), or None."""
+    try:
+        import matplotlib  # noqa: F401 - the HTML export draws with it
+
+        path = stem.with_suffix(".html")
+    except ImportError:
+        path = stem.with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        prof.export_memory_timeline(str(path), device=str(dev))
+    except Exception as e:  # noqa: BLE001 - a missing timeline must not fail the measurement
+        warnings.warn(f"attnopt profile: memory timeline not written ({type(e).__name__}: {e})", stacklevel=2)
+        return None
+    return str(path)
 
 
 class _Skip(Exception):

@@ -265,10 +265,7 @@ class SiteCounter:
 
 
 def bracket_sites(model: torch.nn.Module) -> tuple[Callable[..., Any], SiteCounter]:
-    """``model`` as written, captured by dynamo, with an ``attnopt::<site>`` range around each site.
-
-    Site names are ``g<graph>.site<n>`` when the model is captured as more than one graph.
-    """
+    """``model`` as written, captured by dynamo, with an ``attnopt::<site>`` range around each site."""
     counter = SiteCounter()
     graphs = [0]
 
@@ -295,7 +292,7 @@ def _insert_ranges(gm: fx.GraphModule, example_inputs: list[Any], counter: SiteC
     for m in find_sites(gm, concrete):
         if not isinstance(m, Match):
             continue
-        name = m.record.name if graph_id == 0 else f"g{graph_id}.{m.record.name}"
+        name = m.record.name  # attnopt names sites the same way in every capture of a model
         counter.where[name] = " ".join(x for x in (m.record.module_path, f"({m.record.source})"
                                                    if m.record.source else "") if x)
         first = min((*m.internal, m.output), key=order.__getitem__)

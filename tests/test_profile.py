@@ -1,0 +1,265 @@
+"""``attnopt profile``: CLI smoke tests, the API on a user factory file, failing points, partial reports, bad input.
+
+Sizes are tiny: the measured numbers are checked for consistency (counts, shapes, FLOPs, schema), not speed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+import attnopt.profile as profile_module
+from attnopt.__main__ import main
+from attnopt.profile import profile
+from attnopt.profile_report import REPORT_SCHEMA, plot
+
+# A tiny causal LM in a user's own file: one attention layer, width 16, 2 heads; `build_failing`'s model
+# refuses sequences longer than 16 tokens, so one point of a sweep fails.
+FACTORY = textwrap.dedent('''
+    import math
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Tiny(nn.Module):
+        def __init__(self, limit=None):
+            super().__init__()
+            self.limit = limit
+            self.emb = nn.Embedding(32, 16)
+            self.qkv = nn.Linear(16, 48)
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, idx):
+            B, T = idx.shape
+            if self.limit is not None and T > self.limit:
+                raise ValueError(f"Tiny takes at most {self.limit} tokens, got {T}")
+            q, k, v = self.qkv(self.emb(idx)).split(16, dim=2)
+            q, k, v = (t.view(B, T, 2, 8).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            att = F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
+            y = (att @ v).transpose(1, 2).reshape(B, T, 16)
+            return self.head(y)
+
+    def tokens(batch_size, seq_len):
+        return torch.randint(0, 32, (batch_size, seq_len))
+
+    def build():
+        return Tiny(), tokens
+
+    def build_failing():
+        return Tiny(limit=16), tokens
+
+    def not_a_pair():
+        return Tiny()
+''')
+
+FAST = {"repeats": 1, "progress": False, "matmul_size": 64}
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Path:
+    path = tmp_path / "my_model.py"
+    path.write_text(FACTORY)
+    return path
+
+
+def _read_report(folder: Path) -> dict:
+    report = json.loads((folder / "report.json").read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    return report
+
+
+def test_cli_nanogpt_writes_valid_report_plots_table_and_summary(tmp_path, capsys):
+    out = tmp_path / "prof"
+    rc = main(["profile", "nanogpt", "--seq-lens", "16", "--variants", "eager,sdpa",
+               "--repeats", "1", "--matmul-size", "64", "--no-progress", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    report = _read_report(out)
+    assert report["complete"] and report["spec"] == "nanogpt" and report["schema_version"] == 1
+    records = {(r["phase"], r["variant"]): r for r in report["records"]}
+    assert set(records) == {("prefill", "eager"), ("prefill", "sdpa")}
+    assert all(r["status"] == "ok" and r["forward_s"] > 0 and r["peak_bytes"] > 0 for r in records.values())
+    eager, sdpa = records["prefill", "eager"], records["prefill", "sdpa"]
+    assert eager["attention_method"] == "captured_regions" and len(eager["sites"]) == 4  # one site per layer
+    assert sdpa["attention_method"] == "site_ranges"
+    assert {s["where"].split(" ")[0] for s in sdpa["sites"].values()} == {f"h.{i}.attn" for i in range(4)}
+    assert 0 < eager["attention_share"] < 1 and eager["idle_gap_note"] == "n/a on CPU"
+    # the same function: equal FLOPs; 4 layers x 2 products x (1*4 heads*16*16) scores x (32 + 32) head dims
+    assert eager["attention_flops"] == sdpa["attention_flops"] == 4 * 2 * (4 * 16 * 16) * 64
+    assert sdpa["speedup_vs_eager"] == pytest.approx(eager["forward_s"] / sdpa["forward_s"])
+    for name in ("time_vs_seq_len.png", "peak_memory_vs_seq_len.png", "attention_share.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(report["plots"]) == 3
+    assert "| variant" in printed and "peak MiB" in printed  # the table
+    assert "attention is" in printed and "than eager" in printed  # the summary in words
+    assert report["summary"] and all(line in printed for line in report["summary"])
+
+
+def test_api_on_a_user_file_factory(factory, tmp_path):
+    from attnopt.measure import peak_memory
+
+    out = tmp_path / "prof"
+    report = profile(f"{factory}:build", batch_sizes=(2,), seq_lens=(8, 16), variants=("eager", "sdpa", "math"),
+                     trace=True, out=out, **FAST)
+    assert report == _read_report(out)  # the API returns what report.json holds
+    assert [(r["seq_len"], r["variant"]) for r in report["records"]] == [
+        (8, "eager"), (8, "sdpa"), (8, "math"), (16, "eager"), (16, "sdpa"), (16, "math")]
+    for r in report["records"]:
+        t = r["seq_len"]
+        assert r["status"] == "ok"
+        assert r["attention_flops"] == 2 * (2 * 2 * t * t) * (8 + 8)  # B=2, H=2, D=Dv=8, two products
+        assert list(r["sites"]) == ["site0"] and r["attention_s"] > 0
+        trace = json.loads(Path(r["trace"]).read_text())
+        assert any(e.get("name") == "attnopt::site0" for e in trace["traceEvents"])
+        assert r["roofline_ratio"] == pytest.approx(
+            r["attention_flops"] / r["attention_s"] / report["environment"]["matmul"]["flops_per_s"])
+    # the eager peak is the definition attnopt.measure uses, on the model as written
+    sys.path.insert(0, str(factory.parent))
+    try:
+        import my_model
+    finally:
+        sys.path.remove(str(factory.parent))
+    model, _ = my_model.build()
+    eager16 = report["records"][3]
+    assert eager16["peak_bytes"] == peak_memory(model.eval(), torch.randint(0, 32, (2, 16)))
+    assert eager16["peak_op"]["op"].startswith("aten::")
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(factory, tmp_path):
+    out = tmp_path / "prof"
+    report = profile(f"{factory}:build_failing", seq_lens=(8, 24, 12), variants=("eager", "sdpa"), out=out, **FAST)
+    assert _read_report(out)["complete"]
+    status = {(r["seq_len"], r["variant"]): (r["status"], r["error"]) for r in report["records"]}
+    for variant in ("eager", "sdpa"):
+        assert status[8, variant] == ("ok", None) and status[12, variant] == ("ok", None)
+        state, error = status[24, variant]
+        assert state == "error" and "at most 16 tokens, got 24" in error
+    assert any("failed" in line for line in report["summary"])
+
+
+def test_interrupted_sweep_leaves_a_valid_partial_report(factory, tmp_path, monkeypatch):
+    real_point = profile_module._Session.point
+    calls = []
+
+    def point_then_interrupt(self, phase, b, t):
+        calls.append(t)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_point(self, phase, b, t)
+
+    monkeypatch.setattr(profile_module._Session, "point", point_then_interrupt)
+    out = tmp_path / "prof"
+    with pytest.raises(KeyboardInterrupt):
+        profile(f"{factory}:build", seq_lens=(8, 16), variants=("eager", "sdpa"), out=out, **FAST)
+    report = _read_report(out)
+    assert report["complete"] is False
+    assert [(r["seq_len"], r["status"]) for r in report["records"]] == [(8, "ok"), (8, "ok")]
+    assert not list(out.glob("*.tmp"))
+
+
+def test_decode_falls_back_to_full_recompute_when_the_cache_refuses(factory, monkeypatch):
+    import attnopt
+
+    def refuse(model, max_len=None):
+        raise ValueError("cumsum over time at model.py:3")
+
+    monkeypatch.setattr(profile_module, "_generation", lambda: (refuse, None))
+    optimize = attnopt.optimize  # "auto" runs as "sdpa" here: the selector's tuning is not what this test checks
+    monkeypatch.setattr(attnopt, "optimize", lambda model, variant: optimize(model, variant="sdpa"))
+    report = profile(f"{factory}:build", seq_lens=(8,), phase="decode", **FAST)
+    auto = report["records"][1]
+    assert auto["variant"] == "auto" and auto["status"] == "ok"
+    assert auto["decode_method"] == "full_recompute" and "refused" in auto["decode_note"]
+    assert "cumsum over time" in auto["decode_note"]
+    assert auto["attention_flops"] == 2 * (2 * 9 * 9) * 16  # a forward over T+1 = 9 tokens
+
+
+def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, monkeypatch):
+    seen = []
+
+    class FakeCache:  # full recompute behind the cached interface: checks the calls the profiler makes
+        def __init__(self, model, max_len):
+            self.model, self.max_len, self.idx = model, max_len, None
+
+        def prefill(self, idx):
+            seen.append(("prefill", idx.shape[1]))
+            self.idx = idx
+            return self.model(idx)
+
+        def step(self, tokens):
+            seen.append(("step", tokens.shape[1]))
+            self.idx = torch.cat([self.idx, tokens], dim=1)
+            assert self.idx.shape[1] <= self.max_len
+            return self.model(self.idx)[:, -1:]
+
+    monkeypatch.setattr(profile_module, "_generation", lambda: (FakeCache, None))
+    report = profile(f"{factory}:build", seq_lens=(8,), phase="decode", variants=("eager", "auto", "sdpa"), **FAST)
+    eager, auto, sdpa = report["records"]
+    assert eager["decode_method"] == "full_recompute" and "no KV cache" in eager["decode_note"]
+    # the cache takes no variant: only "auto" is measured with it, the others recompute and say why
+    assert sdpa["decode_method"] == "full_recompute" and "takes no variant" in sdpa["decode_note"]
+    assert auto["status"] == "ok" and auto["decode_method"] == "kv_cache"
+    assert set(seen) == {("prefill", 8), ("step", 1)}
+    assert seen.count(("prefill", 8)) == seen.count(("step", 1))  # every step comes after its own prefill
+    assert auto["attention_flops"] == 2 * (2 * 9 * 9) * 16 / 9  # one query row against T+1 keys
+
+
+def test_decode_on_an_encoder_is_skipped_with_the_reason():
+    report = profile("bert", seq_lens=(8,), phase="decode", **FAST)
+    assert [r["status"] for r in report["records"]] == ["skipped", "skipped"]
+    assert "causal language models" in report["records"][0]["error"]
+
+
+def test_plots_are_skipped_with_one_message_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    record = profile_module._record("prefill", 1, 8, "eager", forward_s=0.1, peak_bytes=10)
+    written, why = plot([record], tmp_path)
+    assert written == [] and "matplotlib is not installed" in why
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nosuchmodel", "built-in example (nanogpt, bert)"),
+    ("missing_file.py:build", "no such file"),
+    ("{factory}:nothere", "has no callable 'nothere'"),
+    ("{factory}:not_a_pair", "must return (model, make_inputs)"),
+    ("no_such_package_xyz:build", "cannot import 'no_such_package_xyz'"),
+])
+def test_bad_spec_is_a_clear_error(spec, message, factory, tmp_path, capsys):
+    rc = main(["profile", spec.format(factory=factory), "--out", str(tmp_path / "p"), "--no-progress",
+               "--matmul-size", "8"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnopt profile: error:") and message in err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--variants", "eager,bogus"], "unknown variant(s) ['bogus'] in --variants; accepted: auto, sdpa, eager"),
+    (["--variants", "auto,auto"], "lists a variant twice"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_flags_are_clear_errors(flags, message, capsys, tmp_path):
+    rc = main(["profile", "nanogpt", "--out", str(tmp_path), *flags])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--seq-lens", "0,5"], "expected positive integers separated by commas"),
+    (["--batch-sizes", "one"], "expected positive integers separated by commas"),
+    (["--phase", "sideways"], "invalid choice"),
+    ([], "required: --out"),
+])
+def test_bad_values_are_argparse_errors(flags, message, capsys, tmp_path):
+    argv = ["profile", "nanogpt", *flags] + ([] if not flags else ["--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
