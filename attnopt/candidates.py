@@ -57,6 +57,7 @@ class FunctionCandidate:
     check: Callable[[AttentionSpec], str | None]
     description: str = ""
     devices: tuple[str, ...] = ()  # device types it runs on; empty: any
+    costly: bool = False  # compiles per shape (seconds): the selector tries it only where nothing cheaper serves
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)

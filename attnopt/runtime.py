@@ -107,6 +107,7 @@ class AttentionSite(nn.Module):
         self.selector: Any = None  # a Selector, for candidate="auto"
         self.record: Any = None  # the SiteRecord that explain() shows
         self.tuning: dict[Any, Any] = {}  # ShapeKey -> TuningEntry
+        self._by_call: dict[tuple, str] = {}  # exact call signature -> choice (the per-call fast path)
         self._last: str | None = None
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
@@ -175,16 +176,23 @@ class AttentionSite(nn.Module):
 
         mask = kwargs["attn_mask"]
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
-        key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
-                        dropout=kwargs["dropout_p"] > 0, grad=grad)
-        entry = self.tuning.get(key)
-        if entry is None:
-            entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
-            self.tuning[key] = entry
-            if self.record is not None:
-                self.record.extra.setdefault("tuning", {})[key.describe()] = entry
-        self._last = entry.choice
-        return entry.choice
+        fast = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else mask.dtype,
+                kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
+        choice = self._by_call.get(fast)
+        if choice is None:
+            key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                            dropout=kwargs["dropout_p"] > 0, grad=grad)
+            entry = self.tuning.get(key)
+            if entry is None:
+                entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+                self.tuning[key] = entry
+                if self.record is not None:
+                    self.record.extra.setdefault("tuning", {})[key.describe()] = entry
+            if len(self._by_call) > 4096:  # e.g. one entry per decode length: keep the table small
+                self._by_call.clear()
+            choice = self._by_call[fast] = entry.choice
+        self._last = choice
+        return choice
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
         if self._fell_back:

@@ -1,0 +1,191 @@
+"""Selector benchmark: attnopt's default choice against every candidate, per (B, T), on a nanoGPT block.
+
+    python benchmarks/bench_select.py                                  # B in {1, 8}, T in {64, 256, 1024, 4096}
+    python benchmarks/bench_select.py --batch-sizes 1 --seq-lens 64 256 --repeats 5
+
+Block: ``attnopt.models.CausalSelfAttention(GPTConfig(n_embd=768, n_head=12, block_size=4096, dropout=0.0))``,
+fp32, eval, no_grad, CPU (or ``--device cuda``). For every point (B, T):
+
+* ``auto``: ``attnopt.optimize(block)`` with a fresh selector and an empty tuning cache, so it
+  tunes at this point during the untimed warm-up (tuning time is reported separately);
+* every registered candidate that can serve the block on this device, forced with
+  ``attnopt.optimize(block, variant=name)``.
+
+All are timed in alternation in this one process (medians of ``--repeats`` rounds of the whole
+block forward). ``regret = time(auto) / min(time(candidate))``; the target is <= 1.05 at every
+point. A candidate whose (B, H, T, T) score tensors would not fit ``--max-scores-gib`` is not run
+at that point and is listed as skipped (the plain path at B=8, T=4096 needs ~19 GiB). The peak
+memory per candidate is the selector's own measurement of one attention call. At
+``--budget-seq-len`` the block is also optimized with a ``memory_budget`` of half the plain
+path's peak and the choice is checked to stay within it.
+Results: ``benchmarks/results/select.json`` and ``select.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+import attnopt
+from attnopt.measure import time_alternating
+from attnopt.models import CausalSelfAttention, GPTConfig
+from attnopt.selector import Selector
+from attnopt.site import AttentionSpec
+
+MATERIALISING = {"math", "sdpa_math"}  # candidates that hold the (B, H, T, T) scores
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    p.add_argument("--repeats", type=int, default=9, help="timed rounds per point (fewer for slow points)")
+    p.add_argument("--max-round-s", type=float, default=20.0,
+                   help="cut the rounds at a point so that they take about this long in all")
+    p.add_argument("--max-scores-gib", type=float, default=8.0,
+                   help="skip materialising candidates whose score tensors exceed this")
+    p.add_argument("--budget-seq-len", type=int, default=4096)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    return p.parse_args(argv)
+
+
+def legal_candidates(device: str) -> list[str]:
+    spec = AttentionSpec(scale=0.125, causal="top_left")
+    ok, _ = Selector(cache=False).legal(spec, torch.device(device))
+    return ok
+
+
+def run_point(block: torch.nn.Module, b: int, t: int, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    x = torch.randn(b, t, 768, device=args.device)
+    scores_gib = b * 12 * t * t * 4 / 2**30
+    skipped = {n: f"scores need {scores_gib:.1f} GiB per tensor" for n in names
+               if n in MATERIALISING and 3 * scores_gib > args.max_scores_gib}
+    run = [n for n in names if n not in skipped]
+    torch._dynamo.reset()
+    fns: dict[str, Any] = {}
+    selector = Selector(cache=False)
+    fns["auto"] = attnopt.optimize(copy.deepcopy(block), selector=selector)
+    for n in run:
+        fns[n] = attnopt.optimize(copy.deepcopy(block), variant=n)
+    # First calls (capture, tuning for auto, compilation for flex) are untimed; time one round to size the run.
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fns["auto"](x)
+    first_auto_s = time.perf_counter() - t0
+    probe = time_alternating(fns, (x,), repeats=1, warmup=0)
+    per_round = sum(probe.values())
+    repeats = max(3, min(args.repeats, int(args.max_round_s / max(per_round, 1e-9))))
+    times = time_alternating(fns, (x,), repeats=repeats, warmup=0)
+    entries = [e for r in attnopt.explain(fns["auto"]).records for e in r.extra.get("tuning", {}).values()]
+    entry = entries[0]
+    best_name = min(run, key=lambda n: times[n])
+    return {
+        "batch": b, "seq_len": t, "repeats": repeats, "choice": entry.choice,
+        "auto_ms": times["auto"] * 1e3, "best": best_name, "best_ms": times[best_name] * 1e3,
+        "regret": times["auto"] / times[best_name],
+        "candidates_ms": {n: times[n] * 1e3 for n in run},
+        "skipped": skipped,
+        "tuning_s": entry.tuning_s, "first_call_s": first_auto_s,
+        "attention_ms": {n: (ms if math.isfinite(ms) else None) for n, ms in entry.timings_ms.items()},
+        "attention_peak_mib": {n: v / 2**20 for n, v in entry.peak_bytes.items()},
+        "rejected": entry.rejected,
+    }
+
+
+def budget_check(block: torch.nn.Module, t: int, args: argparse.Namespace) -> dict[str, Any]:
+    x = torch.randn(1, t, 768, device=args.device)
+    torch._dynamo.reset()
+    free = Selector(cache=False)
+    opt = attnopt.optimize(copy.deepcopy(block), selector=free)
+    with torch.no_grad():
+        opt(x)
+    entry = next(iter(free.entries.values()))
+    plain = entry.peak_bytes.get("math")
+    budget = int(plain / 2) if plain else 64 * 2**20
+    torch._dynamo.reset()
+    limited = Selector(cache=False, memory_budget=budget)
+    opt = attnopt.optimize(copy.deepcopy(block), selector=limited)
+    with torch.no_grad():
+        opt(x)
+    got = next(iter(limited.entries.values()))
+    return {"seq_len": t, "plain_peak_mib": (plain or 0) / 2**20, "budget_mib": budget / 2**20,
+            "choice": got.choice, "choice_peak_mib": got.peak_bytes[got.choice] / 2**20,
+            "within_budget": got.peak_bytes[got.choice] <= budget,
+            "rejected_for_budget": sorted(n for n, why in got.rejected.items() if "budget" in why)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # One optimized copy of the block per candidate: every copy shares forward's code object, and
+    # dynamo's default limit of 8 entries per code object would silently run the rest as written.
+    torch._dynamo.config.recompile_limit = 64
+    os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-bench-")
+    torch.manual_seed(0)
+    block = CausalSelfAttention(GPTConfig(n_embd=768, n_head=12, block_size=4096, dropout=0.0)).to(args.device).eval()
+    names = legal_candidates(args.device)
+    load0 = os.getloadavg()[0]
+    points = []
+    for b in args.batch_sizes:
+        for t in args.seq_lens:
+            print(f"B={b} T={t} ...", file=sys.stderr, flush=True)
+            points.append(run_point(block, b, t, names, args))
+            p = points[-1]
+            print(f"  auto -> {p['choice']}: regret {p['regret']:.3f} (best {p['best']})", file=sys.stderr)
+    budget = budget_check(block, args.budget_seq_len, args)
+    load1 = os.getloadavg()[0]
+    result = {"command": " ".join(["python", "benchmarks/bench_select.py", *map(shlex.quote, argv or sys.argv[1:])]),
+              "torch": torch.__version__, "attnopt": attnopt.__version__, "device": args.device,
+              "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "load_before": load0, "load_after": load1, "candidates": names, "points": points, "budget": budget}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "select.json").write_text(json.dumps(result, indent=2))
+    (args.out / "select.md").write_text(render(result))
+    print(render(result))
+    return 0
+
+
+def render(r: dict[str, Any]) -> str:
+    names = r["candidates"]
+    rows = []
+    for p in r["points"]:
+        cells = [f"{p['candidates_ms'][n]:.3g}" if n in p["candidates_ms"] else "skipped" for n in names]
+        rows.append([p["batch"], p["seq_len"], p["choice"], f"{p['auto_ms']:.3g}", *cells,
+                     f"{p['regret']:.3f}", f"{p['tuning_s']:.2f}"])
+    table = tabulate(rows, headers=["B", "T", "auto chose", "auto ms", *[f"{n} ms" for n in names],
+                                    "regret", "tuning s"], tablefmt="github")
+    mem_rows = [[p["batch"], p["seq_len"], *[f"{p['attention_peak_mib'][n]:.3g}" if n in p["attention_peak_mib"]
+                                             else "-" for n in names]] for p in r["points"]]
+    mem = tabulate(mem_rows, headers=["B", "T", *[f"{n} MiB" for n in names]], tablefmt="github")
+    worst = max(p["regret"] for p in r["points"])
+    bud = r["budget"]
+    return "\n".join([
+        f"# Selector sweep ({r['device']}, {r['machine']}, {r['threads']} threads, torch {r['torch']})", "",
+        f"Command: `{r['command']}`. Whole-block forward, medians of alternating rounds; regret = auto / best "
+        f"candidate (target <= 1.05). 1-min load: {r['load_before']:.2f} before, {r['load_after']:.2f} after.", "",
+        table, "", f"Worst regret: **{worst:.3f}**.", "",
+        "Peak memory of one attention call per candidate, as the selector measured it while tuning:", "", mem, "",
+        f"Memory budget at T={bud['seq_len']} (B=1): plain path peak {bud['plain_peak_mib']:.1f} MiB, budget "
+        f"{bud['budget_mib']:.1f} MiB -> chose `{bud['choice']}` at {bud['choice_peak_mib']:.1f} MiB "
+        f"({'within' if bud['within_budget'] else 'OVER'} budget); rejected for the budget: "
+        f"{', '.join(bud['rejected_for_budget']) or 'none'}.", ""])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
