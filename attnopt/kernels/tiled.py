@@ -14,8 +14,9 @@ Design
   blocks the causal mask and the sliding ``window`` leave at least one visible pair in; the others
   are never computed, forward or backward. Only blocks cut by the causal/window edge build a
   (block_q, block_k) position mask.
-* **One block's scores** (:func:`_block_scores`) are computed exactly as ``reference_attention``
-  orders them: ``raw = q @ k^T`` -> ``* scale`` -> ``score_mod(score, b, h, q_idx, kv_idx)`` (with the
+* **One block's scores** (:func:`_block_scores`) are computed in ``reference_attention``'s order:
+  ``(scale * q) @ k^T`` (the scale on the query block, once per block; equal to ``(q @ k^T) * scale``
+  up to rounding) -> ``score_mod(score, b, h, q_idx, kv_idx)`` (with the
   block's own index tensors, broadcastable to ``(B, H, bq, bk)``) -> causal/window ``-inf`` -> the
   user's mask (bool: ``-inf`` where False; float: added). The user's mask is normalised to a 4-D
   view and sliced per block only along the dimensions it really has, so a broadcast mask is never
@@ -25,13 +26,14 @@ Design
   ``exp(m_old - m_new)``. The output is ``acc / l``; the per-row log-sum-exp ``m + log l`` is saved.
 * **Backward** (FlashAttention-2): a ``torch.autograd.Function`` saves only q, k, v, the mask, the
   output and the log-sum-exp; each block's probabilities are recomputed as ``P = exp(S - lse)``;
-  ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ += dS' K``,
-  ``dK += dS'^T Q``, where ``dS' = dS * scale`` (or, with a ``score_mod``, autograd of the
-  recomputed block from the raw product to the final scores, weighted by ``dS``). An additive mask
+  ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ += scale * dS' K``,
+  ``dK += dS'^T (scale * Q)``, where ``dS' = dS`` (or, with a ``score_mod``, autograd of the
+  recomputed block from the scaled product to the final scores, weighted by ``dS``). An additive mask
   that requires grad receives ``dS`` summed over the dimensions it broadcasts along.
 * **GQA** without repeating K/V: query heads are viewed as ``(Hkv, G)`` groups (query head ``h``
-  uses kv head ``h // G``, as SDPA does) and a query block becomes ``(B, Hkv, G * bq, D)``, so every
-  product is a plain batched matmul against the unrepeated K/V block.
+  uses kv head ``h // G``, as SDPA does) and a query block becomes ``(B * Hkv, G * bq, D)``, so every
+  product is a plain ``bmm`` against the unrepeated ``(B * Hkv, bk, D)`` K/V block; accumulators are
+  updated in place with ``baddbmm_``.
 * **Dtypes.** Half and bfloat16 blocks are upcast to float32 for all arithmetic (fp32 accumulation);
   float32 and float64 compute in their own dtype (float64 for ``gradcheck``). The output has q's dtype.
 * **Rows whose keys are all masked** return zeros (as SDPA's fused CPU kernels do) and send zero
@@ -150,16 +152,21 @@ def _mask_block(mask4: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torc
     return mask4[:, :, rows, cols]
 
 
-def _grouped(plan: _Plan, t: torch.Tensor) -> torch.Tensor:
-    """(B, H, n, X) -> (B, Hkv, G * n, X) in the compute dtype: query head h = hkv * G + g."""
-    B, _, n, X = t.shape
-    return t.to(plan.compute_dtype).reshape(B, plan.Hkv, plan.group * n, X)
+def _flat(plan: _Plan, t: torch.Tensor) -> torch.Tensor:
+    """K or V (B, Hkv, Tk, X) as (B * Hkv, Tk, X): a view whenever the strides allow."""
+    return t.reshape(plan.B * plan.Hkv, t.size(2), t.size(3))
+
+
+def _rows(plan: _Plan, t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+    """Rows [q0, q1) of a (B, H, Tq, X) tensor as (B * Hkv, G * n, X) in the compute dtype (head h = hkv * G + g)."""
+    blk = t[:, :, q0:q1].to(plan.compute_dtype)
+    return blk.reshape(plan.B * plan.Hkv, plan.group * (q1 - q0), t.size(3))
 
 
 def _block_scores(plan: _Plan, raw: torch.Tensor, mask4: torch.Tensor | None, q0: int, q1: int, k0: int,
                   k1: int) -> torch.Tensor:
-    """Final scores of one block from its raw product ``raw = q @ k^T`` of shape (B, H, bq, bk)."""
-    s = raw * plan.scale
+    """Final (B, H, bq, bk) scores of one block from ``raw = (scale * q) @ k^T`` of shape (B * Hkv, G * bq, bk)."""
+    s = raw.view(plan.B, plan.H, q1 - q0, k1 - k0)
     if plan.score_mod is not None:
         dev = raw.device
         b = torch.arange(plan.B, device=dev)[:, None, None, None]
@@ -181,35 +188,29 @@ def _block_scores(plan: _Plan, raw: torch.Tensor, mask4: torch.Tensor | None, q0
     return s
 
 
-def _raw_product(plan: _Plan, qg: torch.Tensor, k_blk: torch.Tensor) -> torch.Tensor:
-    """(B, Hkv, G*bq, D) @ (B, Hkv, bk, D)^T -> (B, H, bq, bk)."""
-    s = qg @ k_blk.transpose(-2, -1)
-    return s.view(plan.B, plan.H, -1, s.size(-1))
-
-
 def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask4: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    B, H, Hkv, cd = plan.B, plan.H, plan.Hkv, plan.compute_dtype
+    B, H, BK, cd = plan.B, plan.H, plan.B * plan.Hkv, plan.compute_dtype
+    k3, v3 = _flat(plan, k), _flat(plan, v)  # (B*Hkv, Tk, D), (B*Hkv, Tk, Dv)
     out = torch.empty(B, H, plan.Tq, plan.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, plan.Tq, 1, dtype=cd, device=q.device)
     for q0 in range(0, plan.Tq, plan.block_q):
         q1 = min(q0 + plan.block_q, plan.Tq)
         n = q1 - q0
-        qg = _grouped(plan, q[:, :, q0:q1])  # (B, Hkv, G*n, D)
+        qs = _rows(plan, q, q0, q1) * plan.scale  # (B*Hkv, G*n, D)
         m = torch.full((B, H, n, 1), _NEG_INF, dtype=cd, device=q.device)  # running row max
         m_safe = torch.zeros_like(m)  # m with -inf (nothing visible yet) replaced by 0
         denom = torch.zeros_like(m)  # running sum of exp(s - m)
-        acc = torch.zeros(B, Hkv, plan.group * n, plan.Dv, dtype=cd, device=q.device)
+        acc = torch.zeros(BK, plan.group * n, plan.Dv, dtype=cd, device=q.device)  # running sum of exp(s - m) @ v
         for k0, k1 in _key_blocks(plan, q0, q1):
             _count("forward")
-            s = _block_scores(plan, _raw_product(plan, qg, k[:, :, k0:k1].to(cd)), mask4, q0, q1, k0, k1)
+            s = _block_scores(plan, torch.bmm(qs, k3[:, k0:k1].to(cd).transpose(1, 2)), mask4, q0, q1, k0, k1)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             m_new_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-            p = torch.exp(s - m_new_safe)  # (B, H, n, bk); 0 where s = -inf
+            p = (s - m_new_safe).exp_()  # (B, H, n, bk); 0 where s = -inf
             alpha = torch.exp(m - m_new_safe)  # rescales the old sums; 0 while m = -inf
             denom = denom * alpha + p.sum(-1, keepdim=True)
-            pv = p.view(B, Hkv, -1, p.size(-1)) @ v[:, :, k0:k1].to(cd)  # (B, Hkv, G*n, Dv)
-            acc = acc * alpha.view(B, Hkv, -1, 1) + pv
+            acc.mul_(alpha.view(BK, -1, 1)).baddbmm_(p.view(BK, -1, k1 - k0), v3[:, k0:k1].to(cd))
             m, m_safe = m_new, m_new_safe
         live = denom > 0
         o = torch.where(live, acc.view(B, H, n, plan.Dv) / denom.clamp_min(torch.finfo(cd).tiny), 0.0)
@@ -221,23 +222,24 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tensor | None,
               out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
               mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    B, H, Hkv, cd = plan.B, plan.H, plan.Hkv, plan.compute_dtype
+    B, H, BK, cd = plan.B, plan.H, plan.B * plan.Hkv, plan.compute_dtype
+    k3, v3 = _flat(plan, k), _flat(plan, v)
     dq = torch.empty(B, H, plan.Tq, plan.D, dtype=cd, device=q.device)
-    dk = torch.zeros(B, Hkv, plan.Tk, plan.D, dtype=cd, device=q.device)
-    dv = torch.zeros(B, Hkv, plan.Tk, plan.Dv, dtype=cd, device=q.device)
+    dk3 = torch.zeros(BK, plan.Tk, plan.D, dtype=cd, device=q.device)
+    dv3 = torch.zeros(BK, plan.Tk, plan.Dv, dtype=cd, device=q.device)
     dmask4 = torch.zeros(mask4.shape, dtype=cd, device=q.device) if mask_grad and mask4 is not None else None
     for q0 in range(0, plan.Tq, plan.block_q):
         q1 = min(q0 + plan.block_q, plan.Tq)
         n = q1 - q0
-        qg = _grouped(plan, q[:, :, q0:q1])  # (B, Hkv, G*n, D)
-        dog = _grouped(plan, dout[:, :, q0:q1])  # (B, Hkv, G*n, Dv)
+        qs = _rows(plan, q, q0, q1) * plan.scale  # (B*Hkv, G*n, D)
+        do = _rows(plan, dout, q0, q1)  # (B*Hkv, G*n, Dv)
         delta = (dout[:, :, q0:q1].to(cd) * out[:, :, q0:q1].to(cd)).sum(-1, keepdim=True)  # (B, H, n, 1)
         lse_blk = lse[:, :, q0:q1]
-        dqg = torch.zeros_like(qg)
+        dqs = torch.zeros_like(qs)  # gradient of the scaled scores times k, summed over key blocks
         for k0, k1 in _key_blocks(plan, q0, q1):
             _count("backward")
-            k_blk, v_blk = k[:, :, k0:k1].to(cd), v[:, :, k0:k1].to(cd)
-            raw = _raw_product(plan, qg, k_blk)
+            kb, vb = k3[:, k0:k1].to(cd), v3[:, k0:k1].to(cd)
+            raw = torch.bmm(qs, kb.transpose(1, 2))  # (B*Hkv, G*n, bk): scaled scores before score_mod and masks
             if plan.score_mod is not None:
                 with torch.enable_grad():
                     raw.requires_grad_(True)
@@ -245,22 +247,20 @@ def _backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                 s = s_graph.detach()
             else:
                 s = _block_scores(plan, raw, mask4, q0, q1, k0, k1)
-            p = torch.exp(s - lse_blk)  # (B, H, n, bk); 0 on masked pairs and dead rows
-            pg = p.view(B, Hkv, -1, p.size(-1))
-            dv[:, :, k0:k1] += pg.transpose(-2, -1) @ dog
-            dp = (dog @ v_blk.transpose(-2, -1)).view_as(p)
-            ds = p * (dp - delta)  # gradient of the final block scores
+            p = (s - lse_blk).exp_()  # (B, H, n, bk); 0 on masked pairs and dead rows
+            p3 = p.view(BK, -1, k1 - k0)
+            dv3[:, k0:k1].baddbmm_(p3.transpose(1, 2), do)
+            ds = torch.bmm(do, vb.transpose(1, 2)).view_as(p).sub_(delta).mul_(p)  # d final scores
             if dmask4 is not None:
                 _add_mask_grad(dmask4, ds, q0, q1, k0, k1)
             if plan.score_mod is not None:
-                (draw,) = torch.autograd.grad(s_graph, raw, ds)
+                (ds3,) = torch.autograd.grad(s_graph, raw, ds)  # (B*Hkv, G*n, bk)
             else:
-                draw = ds * plan.scale
-            drg = draw.reshape(B, Hkv, -1, draw.size(-1))  # (B, Hkv, G*n, bk)
-            dqg += drg @ k_blk
-            dk[:, :, k0:k1] += drg.transpose(-2, -1) @ qg
-        dq[:, :, q0:q1] = dqg.view(B, H, n, plan.D)
-    return dq, dk, dv, dmask4
+                ds3 = ds.view(BK, -1, k1 - k0)
+            dqs.baddbmm_(ds3, kb)
+            dk3[:, k0:k1].baddbmm_(ds3.transpose(1, 2), qs)
+        dq[:, :, q0:q1] = (dqs * plan.scale).view(B, H, n, plan.D)
+    return dq, dk3.view(k.shape), dv3.view(v.shape), dmask4
 
 
 def _add_mask_grad(dmask4: torch.Tensor, ds: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
