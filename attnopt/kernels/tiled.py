@@ -318,7 +318,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
     plan = _validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, score_mod, block_q, block_k,
                      window)
     if score_mod is not None and torch.is_grad_enabled():
-        _refuse_grad_captures(score_mod, plan)
+        _refuse_grad_captures(score_mod, plan, q.device)
     return _TiledAttention.apply(q, k, v, attn_mask, plan)
 
 
@@ -372,10 +372,10 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
                  compute_dtype=cd)
 
 
-def _refuse_grad_captures(score_mod: ScoreMod, plan: _Plan) -> None:
+def _refuse_grad_captures(score_mod: ScoreMod, plan: _Plan, device: torch.device) -> None:
     """Raise if ``score_mod`` reads tensors that require grad: the kernel's backward could not reach them."""
-    probe = torch.zeros(1, 1, 1, 1, dtype=plan.compute_dtype, requires_grad=True)
-    idx = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    probe = torch.zeros(1, 1, 1, 1, dtype=plan.compute_dtype, device=device, requires_grad=True)
+    idx = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
     with torch.enable_grad():
         res = score_mod(probe, idx, idx, idx, idx)
     seen: set[Any] = set()
