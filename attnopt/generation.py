@@ -259,10 +259,7 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
         site_nodes.append(new)
     graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
-    plan = analyse_positions(gm, tokens, site_nodes, notes)
-    if not sites:
-        raise PositionError(f"{type(model).__name__} has no causal self-attention that attnopt could prove, so "
-                            "there is nothing to cache (attnopt.explain(model, idx) shows what was found)")
+    plan = analyse_positions(gm, tokens, site_nodes, notes)  # no sites: position-wise, nothing to cache
     offset_positions(gm, plan, offset)
     limit, source = _resolve_max_len(max_len, declared, plan, ep, tokens)
     for s in sites:
@@ -272,7 +269,8 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
 
 def _not_cacheable(spec: AttentionSpec) -> str | None:
     if spec.causal is None:
-        return f"is not causal self-attention ({spec.describe() if spec.mask != 'none' else 'no mask'})"
+        mask = "it has no mask" if spec.mask == "none" else f"its {spec.mask} mask is not proven causal"
+        return f"is not proven to be causal self-attention ({mask})"
     if spec.dropout_mode == "on":
         return "has active dropout (call model.eval() before generating)"
     if spec.score_mod is not None:

@@ -210,7 +210,7 @@ class Bidirectional(nn.Module):
     (Cumsum(), "aten.cumsum", "works along the sequence axis"),
     (MeanPool(), "aten.mean", "works along the sequence axis"),
     (ByLength(), "aten.div", "uses the sequence length"),
-    (Bidirectional(), "aten.matmul", "not causal self-attention"),
+    (Bidirectional(), "aten.matmul", "not proven to be causal self-attention (it has no mask)"),
 ], ids=["causal-conv", "cumsum", "mean-pool", "divide-by-length", "bidirectional-attention"])
 def test_sequence_mixing_is_refused_naming_op_and_line(mix, op, why):
     with pytest.raises(PositionError) as info:
@@ -233,6 +233,18 @@ def test_last_position_only_output_is_refused():
     torch.manual_seed(0)
     model = LastOnly(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, block_size=16)).eval()
     with pytest.raises(PositionError, match="slices the sequence axis"):
+        cached(model)
+
+
+def test_hugging_face_llama_mask_is_refused_with_the_site_named():
+    """HF builds its causal mask from position ids (packed-sequence detection with cumsum); attnopt cannot prove
+    that mask causal yet, so it refuses instead of guessing."""
+    import transformers  # part of the dev extra
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
+                                   attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with pytest.raises(PositionError, match=r"modeling_llama.py:\d+ .*site0 .*additive mask is not proven causal"):
         cached(model)
 
 
