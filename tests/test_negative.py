@@ -42,8 +42,8 @@ def scores(q, k):
 
 LOOKALIKES = {
     # softmax over the query axis
-    "softmax_over_queries": (lambda m, q, k, v: F.softmax(scores(q, k), dim=-2) @ v, "dim 2"),
-    "softmax_over_heads": (lambda m, q, k, v: F.softmax(scores(q, k), dim=1) @ v, "not the last"),
+    "softmax_over_queries": (lambda m, q, k, v: F.softmax(scores(q, k), dim=-2) @ v, "dim 2, the query axis"),
+    "softmax_over_heads": (lambda m, q, k, v: F.softmax(scores(q, k), dim=1) @ v, "dim 1, the head axis"),
     # non-softmax normalisations
     "sigmoid": (lambda m, q, k, v: torch.sigmoid(scores(q, k)) @ v, None),
     "exp_sum_written_out": (lambda m, q, k, v: (lambda e: e / e.sum(-1, keepdim=True))(scores(q, k).exp()) @ v,
@@ -51,10 +51,12 @@ LOOKALIKES = {
     "base_2": (lambda m, q, k, v: (lambda e: e / e.sum(-1, keepdim=True))(torch.exp2(scores(q, k))) @ v, None),
     "linear_attention": (lambda m, q, k, v: (F.elu(q) + 1) @ ((F.elu(k) + 1).transpose(-2, -1) @ v), None),
     # the probabilities or the scores used elsewhere
-    "probs_returned": (lambda m, q, k, v: (lambda p: (p @ v, p))(F.softmax(scores(q, k), -1)), "used elsewhere"),
-    "scores_returned": (lambda m, q, k, v: (lambda s: (F.softmax(s, -1) @ v, s))(scores(q, k)), "used elsewhere"),
+    "probs_returned": (lambda m, q, k, v: (lambda p: (p @ v, p))(F.softmax(scores(q, k), -1)),
+                       "probabilities are returned to the caller"),
+    "scores_returned": (lambda m, q, k, v: (lambda s: (F.softmax(s, -1) @ v, s))(scores(q, k)),
+                        "scores are returned to the caller"),
     "probs_summed_too": (lambda m, q, k, v: (lambda p: p @ v + p.sum())(F.softmax(scores(q, k), -1)),
-                         "used elsewhere"),
+                         "also read by `sum`"),
     # a mask or product after the softmax without renormalising
     "mask_after_softmax": (lambda m, q, k, v: (F.softmax(scores(q, k), -1)
                                                * torch.ones(T, T).tril()) @ v, "after the softmax"),
@@ -194,3 +196,52 @@ def test_fully_masked_rows_gradients_match_where_defined() -> None:
     assert attnopt.explain(opt).rewritten == 1
     for a, b in zip(leaves, ref_leaves):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- near-miss wording
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v):
+        att = scores(q, k)
+        if self.kind == "query_axis":
+            return F.softmax(att, dim=2) @ v
+        p = F.softmax(att, dim=-1)
+        return p @ v, p  # the probabilities are returned
+
+
+class Outer(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module()])
+        self.layers[0].attn = Block(kind)
+
+    def forward(self, q, k, v):
+        return self.layers[0].attn(q, k, v)
+
+
+def _line_of(text: str) -> int:
+    import inspect
+
+    src, start = inspect.getsourcelines(Block.forward)
+    return start + next(i for i, line in enumerate(src) if text in line)
+
+
+@pytest.mark.parametrize("kind", ["query_axis", "probs_returned"])
+def test_near_miss_reason_names_the_condition_the_module_and_the_source_line(kind: str) -> None:
+    report = attnopt.explain(Outer(kind), *qkv())
+    (record,) = report.records
+    assert not record.rewritten
+    if kind == "query_axis":
+        where = f"layers.0.attn (test_negative.py:{_line_of('dim=2')})"
+        assert record.reason.startswith(f"softmax is over dim 2, the query axis, not the last (key) axis of the 4-D "
+                                        f"scores at {where}"), record.reason
+    else:
+        where = f"layers.0.attn (test_negative.py:{_line_of('p = F.softmax')})"
+        assert record.reason.startswith("the attention probabilities are returned to the caller (or across a graph "
+                                        f"break) at {where}"), record.reason
+    assert record.module_path == "layers.0.attn"

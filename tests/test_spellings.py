@@ -142,6 +142,20 @@ def test_transposed_pv_and_pretransposed_k_by_4d_permute() -> None:
     assert spec_of(report).scale == pytest.approx(D ** -0.5)
 
 
+def test_transposed_pv_layout_v_times_p_transposed() -> None:
+    """Stable Diffusion's AttnBlock: ``w = softmax(q @ k)``, ``h = bmm(v, w.permute(0, 2, 1))`` on [B, C, HW]."""
+    x = torch.randn(B, C, T)
+
+    def fn(m, x):
+        q = x.permute(0, 2, 1)  # (B, HW, C)
+        w = torch.bmm(q, x) * C ** -0.5  # (B, HW, HW): keys pre-transposed
+        w = F.softmax(w, dim=2)
+        return torch.bmm(x, w.permute(0, 2, 1))  # (B, C, HW)
+
+    report = rewrite_and_check(Fn(fn), x)
+    assert "P^T" in " ".join(report.records[0].spelling)
+
+
 # ----------------------------------------------------------------------------- B. scales
 
 

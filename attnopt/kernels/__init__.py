@@ -8,3 +8,4 @@ dtype's tolerance, on every input their ``supports`` accepts.
 """
 
 from . import tiled  # noqa: F401
+from . import flex  # noqa: F401

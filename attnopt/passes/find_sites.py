@@ -59,6 +59,7 @@ class Match:
     dropout_module: str | None = None
     internal: list[fx.Node] = field(default_factory=list)
     score_mod: ElementwiseScoreMod | None = None
+    v_transposed: bool = False  # the site wrote ``v^T @ P^T``: v is [.., Dv, Tk], the output [.., Dv, Tq]
 
 
 class NearMiss(Exception):
@@ -91,12 +92,20 @@ def _where(node: fx.Node) -> tuple[str, str]:
     return path, source
 
 
-def _user_desc(n: fx.Node) -> str:
-    path, source = _where(n)
-    where = f" at {source}" if source else ""
+def _at(node: fx.Node) -> str:
+    """`` at <module path> (<file:line>)`` for ``node``, or what of it is known."""
+    path, source = _where(node)
+    if path and source:
+        return f" at {path} ({source})"
+    return f" at {path or source}" if path or source else ""
+
+
+def _user_desc(n: fx.Node, node: fx.Node) -> str:
+    """How ``n`` uses ``node``, in words, with where it happens."""
     if n.op == "output":
-        return "returned from the graph (to the caller or across a graph break)"
-    return f"also used by `{n.name}`{where}"
+        return f"returned to the caller (or across a graph break){_at(node)}"
+    what = getattr(n.target, "__name__", n.target) if n.op != "call_module" else f"module {n.target}"
+    return f"also read by `{what}`{_at(n)}"
 
 
 _METADATA_METHODS = ("new_full", "new_ones", "new_zeros", "new_empty")
@@ -116,9 +125,20 @@ def reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
 def _only_user(node: fx.Node, what: str) -> fx.Node:
     users = [u for u in node.users if not reads_only_dtype(u, node)]
     if len(users) != 1:
-        others = ", ".join(_user_desc(u) for u in users[:3])
-        raise NearMiss(f"the {what} are used elsewhere ({others})")
+        # name the unexpected users first: the caller, then anything that is not the next attention step
+        named = sorted(users, key=lambda u: (u.op != "output", _is_attention_step(u)))
+        if len(named) > 1 and _is_attention_step(named[-1]):
+            named = named[:-1]
+        others = "; ".join(_user_desc(u, node) for u in named[:3])
+        raise NearMiss(f"the {what} are {others or 'not used'}: they cannot be replaced by a fused kernel that "
+                       "never materialises them")
     return users[0]
+
+
+def _is_attention_step(n: fx.Node) -> bool:
+    op = read(n)
+    return op is not None and op.kind in ("matmul", "softmax", "scale", "masked_fill", "where", "add", "cast",
+                                          "dropout", "identity", "unary", "baddbmm")
 
 
 def _scale_value(x: Any) -> float | torch.SymFloat | None:
@@ -156,7 +176,9 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         raise NearMiss("no shape information for the scores (capture with example inputs)", NOT_ATTENTION)
     nd = len(s_shape)
     if dim != nd - 1:
-        raise NearMiss(f"softmax is over dim {dim}, not the last (key) axis of the {nd}-D scores",
+        axes = {4: ("batch", "head", "query", "key"), 3: ("batch", "query", "key"), 2: ("query", "key")}.get(nd)
+        name = f", the {axes[dim]} axis" if axes and isinstance(dim, int) and 0 <= dim < nd else ""
+        raise NearMiss(f"softmax is over dim {dim}{name}, not the last (key) axis of the {nd}-D scores{_at(softmax)}",
                        NOT_ATTENTION)
 
     # ---- forward from the softmax: probabilities -> P @ V
@@ -164,6 +186,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     cur = softmax
     dropout: tuple[Any, str] = (0.0, "off")
     dropout_module: str | None = None
+    v_transposed = False
     while True:
         try:
             user = _only_user(cur, "attention probabilities")
@@ -173,8 +196,9 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             raise
         op = read(user, gm)
         if op is None:
-            raise NearMiss(f"the probabilities pass through `{user.name}` ({user.target}) before the product "
-                           "with values", NOT_ATTENTION if cur is softmax else LEFT_ALONE)
+            raise NearMiss(f"the probabilities pass through `{getattr(user.target, '__name__', user.target)}`"
+                           f"{_at(user)} before the product with values",
+                           NOT_ATTENTION if cur is softmax else LEFT_ALONE)
         if op.kind in ("cast", "identity") and op.args[0] is cur:
             record.spelling.append(op.spelling)
             internal.append(user)
@@ -190,18 +214,30 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             internal.append(user)
             cur = user
             continue
+        if op.kind == "transpose" and op.args[0] is cur and (op.args[1], op.args[2]) == (nd - 2, nd - 1):
+            # transposed P·V layout: out^T = v^T @ P^T (e.g. bmm(v, p.transpose(1, 2)) on [B, C, HW])
+            pt_user = _only_user(user, "attention probabilities")
+            pop_ = read(pt_user, gm)
+            if pop_ is None or pop_.kind != "matmul" or pop_.args[1] is not user or pop_.args[0] is user \
+                    or pop_.args[2]:
+                raise NearMiss("the transposed probabilities do not feed a product `v^T @ P^T`",
+                               NOT_ATTENTION if cur is softmax else LEFT_ALONE)
+            internal.append(user)
+            pv, v, v_transposed = pt_user, pop_.args[0], True
+            record.spelling.extend([op.spelling, f"v^T {pop_.spelling} P^T"])
+            break
         if op.kind == "matmul":
             a, b, b_t = op.args
             if a is not cur or b is cur:
-                raise NearMiss("the probabilities are the right operand of the product with values "
-                               "(transposed P·V layout)")
+                raise NearMiss("the probabilities are the right operand of the product with values, not transposed "
+                               "(only `v^T @ P^T` is rewritten)")
             if b_t:
                 raise NearMiss("the values are multiplied transposed (einsum over their last axis)")
             pv = user
             v = b
             record.spelling.append(op.spelling)
             break
-        raise NearMiss(f"the probabilities are changed by {op.spelling} after the softmax "
+        raise NearMiss(f"the probabilities are changed by {op.spelling}{_at(user)} after the softmax "
                        "(a mask or product after the softmax without renormalising)",
                        NOT_ATTENTION if op.kind not in ("scale", "mul", "add", "masked_fill", "where")
                        else LEFT_ALONE)
@@ -215,7 +251,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     while product is None:
         op = read(cur, gm)
         if op is None:
-            raise NearMiss(f"the scores pass through `{cur.name}` ({getattr(cur.target, '__name__', cur.target)}) "
+            raise NearMiss(f"the scores pass through `{getattr(cur.target, '__name__', cur.target)}`{_at(cur)} "
                            "between the product and the softmax", NOT_ATTENTION)
         if op.kind == "baddbmm":
             _baddbmm_terms(op, chain, record)
@@ -226,7 +262,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             if op.kind == "matmul":
                 product = cur
                 break
-            raise NearMiss(f"the scores pass through {op.spelling} between the product and the softmax",
+            raise NearMiss(f"the scores pass through {op.spelling}{_at(cur)} between the product and the softmax",
                            NOT_ATTENTION)
         internal.append(cur)
         _only_user(nxt, "attention scores")
@@ -303,6 +339,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
                                    else f"{kop.spelling}(k)")
     key_shape = shape_of(k) if k is not None else _t_shape(shape_of(k_t))
     q_shape, v_shape, out_shape = shape_of(q), shape_of(v), shape_of(pv)
+    if v_transposed:  # v^T @ P^T: read the shapes of v and of the output as if untransposed
+        v_shape, out_shape = _t_shape(v_shape), _t_shape(out_shape)
     if None in (key_shape, q_shape, v_shape, out_shape):
         raise NearMiss("missing shape information for q, k or v")
     if not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):  # type: ignore[arg-type]
@@ -325,7 +363,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     elif heads_differ:
         raise NearMiss(f"batch/head dims of q {list(q_shape[:-2])}, k {list(key_shape[:-2])} and "  # type: ignore
                        f"v {list(v_shape[:-2])} differ (broadcast inside the product)")
-    elif len(q_shape) == 4 and k is not None:  # type: ignore[arg-type]
+    elif len(q_shape) == 4 and k is not None and not v_transposed:  # type: ignore[arg-type]
         (k0, how_k), (v0, how_v) = _kv_source(gm, k), _kv_source(gm, v)
         if k0 is not None and v0 is not None and _same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore
             k_src, v_src, gqa = k0, v0, True
@@ -373,7 +411,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     return Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
                  v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,
                  dropout_p=dropout[0] if runtime_p else None, dropout_module=dropout_module,
-                 internal=internal, score_mod=score_mod)
+                 internal=internal, score_mod=score_mod, v_transposed=v_transposed)
 
 
 def _same_shape(a: Any, b: Any) -> bool:

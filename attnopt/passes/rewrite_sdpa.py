@@ -98,7 +98,10 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             site_cls = BoundedFillSite if m.mask.bound_fill is not None else AttentionSite
             site = site_cls(m.record.name, m.spec, candidate, guards, where, score_mod=m.score_mod)
             gm.add_submodule(name, site.train(gm.training))
-            new = graph.call_module(name, (q, k, m.v, mask, scale, m.dropout_p, *guard_nodes))
+            v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
+            new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes))
+            if m.v_transposed:
+                new = graph.call_method("transpose", (new, -2, -1))
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
             if key in m.output.meta:
                 new.meta[key] = m.output.meta[key]
