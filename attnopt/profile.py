@@ -17,8 +17,9 @@ For every point (batch size x sequence length x phase), in order:
    idle gaps between kernels; the eager model's sites are timed on dynamo's capture of it with
    a range around each site (eager attention is not a separate call);
 4. profile one call for the peak tensor memory and the op whose allocation reached it;
-5. count the attention FLOPs once (from the captured sites' q and v shapes) and compare the
-   achieved FLOP/s with the matmul rate measured once at the start (the roofline ratio).
+5. count the attention FLOPs once (from the captured sites' q and v shapes, without the entries
+   a proven causal mask removes) and compare the achieved FLOP/s with the matmul rate measured
+   once at the start (the roofline ratio).
 
 Phases: ``prefill`` is one forward over T tokens. ``decode`` (causal LMs whose input is one
 ``(B, T)`` token tensor) is one new token against a context of T: with
@@ -252,14 +253,14 @@ class _Session:
             return list(records.values())
         self._warm(runners, records)
         self._time(runners, records)
-        flops, sites_where = self._count_flops(*call)
+        flops, dense, sites_where = self._count_flops(*call)
         for v, runner in runners.items():
             rec = records[v]
             try:
-                # a cached step attends one query row to T+1 keys: 1/(T+1) of the full recompute's FLOPs
-                scale = 1.0 / (t + 1) if rec["decode_method"] == "kv_cache" else 1.0
+                # a cached step attends one query row to all T+1 keys: 1/(T+1) of the dense full recompute
+                step = None if dense is None else dense / (t + 1)
                 self._inspect(v, rec, eager_profiled if v == "eager" else runner, sites_where,
-                              None if flops is None else flops * scale)
+                              step if rec["decode_method"] == "kv_cache" else flops)
                 mem = profile_memory(runner, self.dev)
                 rec["peak_bytes"] = mem.peak_bytes
                 rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
@@ -359,20 +360,21 @@ class _Session:
                 del runners[v]
                 self._release()
 
-    def _count_flops(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[float | None, dict[str, str]]:
-        """Attention FLOPs of one full call, counted on the eager capture; the sites' places in the code."""
+    def _count_flops(self, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[float | None, float | None, dict[str, str]]:
+        """Useful and dense attention FLOPs of one full call, counted on the eager capture; the sites' places."""
         counter: SiteCounter = self.counter
         counter.flops.clear()
+        counter.dense_flops.clear()
         counter.counting = True
         try:
             with torch.no_grad():
                 self.bracketed(*args, **kwargs)
         except Exception:  # noqa: BLE001 - the eager variant's record carries the error
-            return None, dict(counter.where)
+            return None, None, dict(counter.where)
         finally:
             counter.counting = False
-        flops = sum(counter.flops.values())
-        return (flops or None), dict(counter.where)
+        return (sum(counter.flops.values()) or None), (sum(counter.dense_flops.values()) or None), dict(counter.where)
 
     def _inspect(self, variant: str, rec: dict[str, Any], runner: Runner, eager_where: dict[str, str],
                  flops: float | None) -> None:

@@ -20,8 +20,8 @@ optional untimed preparation before each call (a decode step first needs its pre
   found by attnopt's matcher left as written but wrapped in an ``attnopt::<site>`` range. Eager
   attention is not a separate call, so this is how its time is measured: the ops of the
   captured graph from the site's score product to its ``P @ V`` product, in the order written.
-  The capture also counts each site's FLOPs at run time (``2 * B*H*Tq*Tk * (D + Dv)``: both
-  products, dense, causal masks not discounted).
+  The capture also counts each site's FLOPs at run time: ``2 * B*H * (D + Dv)`` per score entry
+  (both products), over the entries a proven causal mask keeps (all ``Tq * Tk`` otherwise).
 * :func:`matmul_rate`: the device's achieved matmul FLOP/s (a square matmul), the roofline
   attention FLOP/s are compared with.
 """
@@ -40,8 +40,8 @@ from torch.autograd import DeviceType
 
 from .measure import time_alternating
 
-__all__ = ["Runner", "SiteCounter", "bracket_sites", "is_oom", "make_runner", "matmul_rate", "profile_memory",
-           "profile_ranges", "sync", "time_runners"]
+__all__ = ["Runner", "SiteCounter", "bracket_sites", "causal_entries", "is_oom", "make_runner", "matmul_rate",
+           "profile_memory", "profile_ranges", "sync", "time_runners"]
 
 FORWARD_RANGE = "attnopt.profile::forward"
 SITE_PREFIX = "attnopt::"
@@ -251,17 +251,35 @@ def profile_memory(runner: Runner, device: torch.device) -> MemoryPeak:
 
 @dataclass
 class SiteCounter:
-    """What :func:`bracket_sites` learnt: where each site is, FLOPs per site per call, capture failures."""
+    """What :func:`bracket_sites` learnt: where each site is, FLOPs per site per call, capture failures.
+
+    ``flops`` counts the useful work: score entries a proven causal mask removes are not counted
+    (FlashAttention's convention), so kernels that skip them are not credited with more than 100%
+    of the matmul rate. ``dense_flops`` counts every entry.
+    """
 
     where: dict[str, str] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
+    dense_flops: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     counting: bool = False
 
-    def note(self, name: str, q: torch.Tensor, v: torch.Tensor) -> None:
-        if self.counting:  # q (..., Tq, D), v (..., Tk, Dv): B*H*Tq*Tk scores from two dense products
-            rows = q.numel() // q.shape[-1]
-            self.flops[name] = self.flops.get(name, 0.0) + 2.0 * rows * v.shape[-2] * (q.shape[-1] + v.shape[-1])
+    def note(self, name: str, causal: str | None, q: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.counting:
+            return
+        # q (..., Tq, D), v (..., Tk, Dv): B*H*Tq*Tk scores, each costing D + Dv multiply-adds in the two products
+        tq, tk = q.shape[-2], v.shape[-2]
+        per_entry = 2.0 * (q.numel() // (q.shape[-1] * tq)) * (q.shape[-1] + v.shape[-1])
+        kept = tq * tk if causal is None else causal_entries(tq, tk, causal)
+        self.flops[name] = self.flops.get(name, 0.0) + per_entry * kept
+        self.dense_flops[name] = self.dense_flops.get(name, 0.0) + per_entry * tq * tk
+
+
+def causal_entries(tq: int, tk: int, alignment: str) -> int:
+    """Score entries a causal mask keeps: query i sees keys <= i (top-left) or <= i + tk - tq (bottom-right)."""
+    shift = 0 if alignment == "top_left" else tk - tq
+    # row i keeps min(tk, max(0, i + 1 + shift)) keys
+    return sum(min(tk, max(0, i + 1 + shift)) for i in range(tq))
 
 
 def bracket_sites(model: torch.nn.Module) -> tuple[Callable[..., Any], SiteCounter]:
@@ -304,6 +322,6 @@ def _insert_ranges(gm: fx.GraphModule, example_inputs: list[Any], counter: SiteC
         # count FLOPs outside the range: before it when q and v exist there, else after it
         where = gm.graph.inserting_before(handle) if order[m.v] < order[first] else gm.graph.inserting_after(done)
         with where:
-            gm.graph.call_function(counter.note, (name, m.q, m.v))
+            gm.graph.call_function(counter.note, (name, m.spec.causal, m.q, m.v))
     gm.graph.lint()
     gm.recompile()

@@ -171,6 +171,12 @@ def _where(r: dict[str, Any]) -> str:
     return f" at {p['op']}{f' on {shapes}' if shapes else ''} {place}"
 
 
+def _changed(r: dict[str, Any]) -> str:
+    if r["decode_method"] == "kv_cache":
+        return "KV-cached step"
+    return f"{len(r['sites'])} site(s) rewritten" if r["sites"] else "no site rewritten"
+
+
 def summarize(records: list[dict[str, Any]]) -> list[str]:
     """The closing summary in words: the largest cost, the peak, and what attnopt changed, per phase."""
     lines = []
@@ -201,8 +207,9 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
                 speed, peak = r["speedup_vs_eager"], r["peak_ratio_vs_eager"]
                 peak_text = ("n/a" if peak is None else
                              f"{peak:.1f}x lower" if peak >= 1 else f"{1 / peak:.1f}x higher")
-                lines.append(f"{point}: {name} is {speed:.2f}x {'faster' if speed >= 1 else 'slower'} than eager, "
-                             f"peak {peak_text} ({_mib(r['peak_bytes'])} MiB{_where(r)}).")
+                lines.append(f"{point}: {name} ({_changed(r)}) is {speed:.2f}x "
+                             f"{'faster' if speed >= 1 else 'slower'} than eager, peak {peak_text} "
+                             f"({_mib(r['peak_bytes'])} MiB{_where(r)}).")
             else:
                 lines.append(f"{point}: {name} takes {_ms(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
     failed = [r for r in records if r["status"] in ("oom", "error")]

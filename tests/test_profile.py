@@ -5,6 +5,7 @@ Sizes are tiny: the measured numbers are checked for consistency (counts, shapes
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import textwrap
@@ -14,10 +15,13 @@ import jsonschema
 import pytest
 import torch
 
-import attnopt.profile as profile_module
 from attnopt.__main__ import main
 from attnopt.profile import profile
+from attnopt.profile_measure import causal_entries
 from attnopt.profile_report import REPORT_SCHEMA, plot
+
+# the module, not the function the package exports under the same name
+profile_module = importlib.import_module("attnopt.profile")
 
 # A tiny causal LM in a user's own file: one attention layer, width 16, 2 heads; `build_failing`'s model
 # refuses sequences longer than 16 tokens, so one point of a sweep fails.
@@ -92,8 +96,9 @@ def test_cli_nanogpt_writes_valid_report_plots_table_and_summary(tmp_path, capsy
     assert sdpa["attention_method"] == "site_ranges"
     assert {s["where"].split(" ")[0] for s in sdpa["sites"].values()} == {f"h.{i}.attn" for i in range(4)}
     assert 0 < eager["attention_share"] < 1 and eager["idle_gap_note"] == "n/a on CPU"
-    # the same function: equal FLOPs; 4 layers x 2 products x (1*4 heads*16*16) scores x (32 + 32) head dims
-    assert eager["attention_flops"] == sdpa["attention_flops"] == 4 * 2 * (4 * 16 * 16) * 64
+    # the same function, equal FLOPs: 4 layers x 2 products x (1 x 4 heads x 136 causal score entries of 16 x 16)
+    # x (32 + 32) head dims
+    assert eager["attention_flops"] == sdpa["attention_flops"] == 4 * 2 * (4 * 136) * 64
     assert sdpa["speedup_vs_eager"] == pytest.approx(eager["forward_s"] / sdpa["forward_s"])
     for name in ("time_vs_seq_len.png", "peak_memory_vs_seq_len.png", "attention_share.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -115,7 +120,7 @@ def test_api_on_a_user_file_factory(factory, tmp_path):
     for r in report["records"]:
         t = r["seq_len"]
         assert r["status"] == "ok"
-        assert r["attention_flops"] == 2 * (2 * 2 * t * t) * (8 + 8)  # B=2, H=2, D=Dv=8, two products
+        assert r["attention_flops"] == 2 * (2 * 2 * t * (t + 1) // 2) * (8 + 8)  # B=2, H=2, D=Dv=8, causal
         assert list(r["sites"]) == ["site0"] and r["attention_s"] > 0
         trace = json.loads(Path(r["trace"]).read_text())
         assert any(e.get("name") == "attnopt::site0" for e in trace["traceEvents"])
@@ -179,7 +184,7 @@ def test_decode_falls_back_to_full_recompute_when_the_cache_refuses(factory, mon
     assert auto["variant"] == "auto" and auto["status"] == "ok"
     assert auto["decode_method"] == "full_recompute" and "refused" in auto["decode_note"]
     assert "cumsum over time" in auto["decode_note"]
-    assert auto["attention_flops"] == 2 * (2 * 9 * 9) * 16  # a forward over T+1 = 9 tokens
+    assert auto["attention_flops"] == 2 * (2 * 9 * 10 // 2) * 16  # a causal forward over T+1 = 9 tokens
 
 
 def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, monkeypatch):
@@ -209,7 +214,7 @@ def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, mo
     assert auto["status"] == "ok" and auto["decode_method"] == "kv_cache"
     assert set(seen) == {("prefill", 8), ("step", 1)}
     assert seen.count(("prefill", 8)) == seen.count(("step", 1))  # every step comes after its own prefill
-    assert auto["attention_flops"] == 2 * (2 * 9 * 9) * 16 / 9  # one query row against T+1 keys
+    assert auto["attention_flops"] == 2 * (2 * 1 * 9) * 16  # one query row against T+1 keys, 2 heads
 
 
 def test_decode_on_an_encoder_is_skipped_with_the_reason():
@@ -263,3 +268,11 @@ def test_bad_values_are_argparse_errors(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tq", [1, 2, 5, 8])
+@pytest.mark.parametrize("tk", [1, 5, 8])
+def test_causal_entries_count_what_the_masks_keep(tq, tk):
+    keep = torch.ones(tq, tk, dtype=torch.bool)
+    assert causal_entries(tq, tk, "top_left") == int(keep.tril().sum())
+    assert causal_entries(tq, tk, "bottom_right") == int(keep.tril(diagonal=tk - tq).sum())
