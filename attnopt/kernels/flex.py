@@ -115,6 +115,7 @@ class FlexCandidate:
 
     name: str = "flex"
     description: str = "torch.nn.attention.flex_attention, compiled (score_mod, causal block_mask)"
+    costly: bool = True  # compiles per shape (seconds on CPU): the selector tries it only where nothing cheaper serves
 
     def supports(self, spec: AttentionSpec) -> str | None:
         if flex_attention is None:
