@@ -406,6 +406,8 @@ class _Session:
                 rec["roofline_ratio"] = rec["attention_flops_per_s"] / self.matmul_flops
         elif rec["attention_note"] is None:
             rec["attention_note"] = "no attention site ran in an attnopt::<site> range (none found or rewritten)"
+            if variant == "eager" and self.counter.failures:
+                rec["attention_note"] += f"; capturing the sites failed: {'; '.join(self.counter.failures)}"
         if flops is not None:
             rec["attention_flops"] = flops
         if self.dev.type == "cuda":

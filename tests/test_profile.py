@@ -17,7 +17,7 @@ import torch
 
 from attnopt.__main__ import main
 from attnopt.profile import profile
-from attnopt.profile_measure import causal_entries
+from attnopt.profile_measure import causal_entries, is_oom
 from attnopt.profile_report import REPORT_SCHEMA, plot
 
 # the module, not the function the package exports under the same name
@@ -276,3 +276,11 @@ def test_causal_entries_count_what_the_masks_keep(tq, tk):
     keep = torch.ones(tq, tk, dtype=torch.bool)
     assert causal_entries(tq, tk, "top_left") == int(keep.tril().sum())
     assert causal_entries(tq, tk, "bottom_right") == int(keep.tril(diagonal=tk - tq).sum())
+
+
+def test_out_of_memory_is_told_apart_from_other_errors():
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes"))
+    assert is_oom(MemoryError())
+    assert not is_oom(RuntimeError("shape mismatch"))
+    assert not is_oom(ValueError("out of memory"))  # only the allocators' errors count
