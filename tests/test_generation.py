@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from llama_style import LlamaConfig, LlamaStyle
 
 from attnopt import generation
@@ -59,6 +61,20 @@ def test_prefill_and_steps_match_the_full_recompute(lm):
         seq = torch.cat((seq, new), dim=1)
         torch.testing.assert_close(c.step(new), model(seq)[:, -t:], atol=1e-5, rtol=1e-5)
     assert c.length == seq.size(1) == 12
+
+
+@given(chunks=st.lists(st.integers(1, 5), min_size=1, max_size=6), batch=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_any_split_into_prefill_and_steps_gives_the_full_logits(nano, chunks, batch, seed):
+    """Feeding a sequence in arbitrary pieces (first piece = prefill) equals one forward over all of it."""
+    model, c = nano
+    seq = torch.randint(0, VOCAB, (batch, sum(chunks)), generator=torch.Generator().manual_seed(seed))
+    pieces, start = [], 0
+    for i, n in enumerate(chunks):
+        piece = seq[:, start:start + n]
+        pieces.append(c.prefill(piece) if i == 0 else c.step(piece))
+        start += n
+    torch.testing.assert_close(torch.cat(pieces, dim=1), model(seq), atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_tokens_equal_the_plain_loop(lm):

@@ -29,10 +29,10 @@ cache. Example::
 
     plan = analyse_positions(gm, tokens, sites)      # nanoGPT
     plan.shifted    # [arange]                 -> arange(offset, offset + t)
-    plan.bounds     # [("wpe.weight rows", 256)]
+    plan.bounds     # [("the position table read by aten.embedding at models.py:111", 256)]
 
 and a causal convolution over time is refused with
-``aten.conv1d at model.py:12 (conv) is not known to act on each position separately``.
+``aten.conv1d at model.py:12 (mix.conv) is not known to act on each position separately``.
 """
 
 from __future__ import annotations
