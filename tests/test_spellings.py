@@ -9,6 +9,7 @@ original's.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -425,3 +426,47 @@ def test_single_query_and_fp32_upcast(form: str) -> None:
 
     report = rewrite_and_check(Fn(fn), q, k, v, atol=2e-2, rtol=2e-2)
     assert spec_of(report).compute_dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- nn.MultiheadAttention
+
+
+class MHA(nn.Module):
+    def __init__(self, keep_weights: bool):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(C, H, batch_first=True)
+        self.keep_weights = keep_weights
+
+    def forward(self, x, pad):
+        y, w = self.mha(x, x, x, key_padding_mask=pad)  # need_weights=True by default
+        return (y, w) if self.keep_weights else y
+
+
+@pytest.mark.parametrize("keep_weights", [False, True])
+def test_multihead_attention_with_discarded_weights_skips_them(keep_weights: bool) -> None:
+    """Dynamo keeps ``F.multi_head_attention_forward`` as one call; discarded weights are not computed."""
+    from attnopt.passes.rewrite_sdpa import drop_unused_mha_weights
+
+    model = MHA(keep_weights).eval()
+    x = torch.randn(B, T, C)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[1, -2:] = True
+    gm, ex = capture(model, x, pad)
+    (call,) = [n for n in gm.graph.nodes if n.target is F.multi_head_attention_forward]
+    assert call.kwargs["need_weights"] is True
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    changed = drop_unused_mha_weights(new)
+    assert len(changed) == (0 if keep_weights else 1)
+    if keep_weights:
+        return
+    (call,) = [n for n in new.graph.nodes if n.target is F.multi_head_attention_forward]
+    assert call.kwargs["need_weights"] is False
+    leaves = [e.detach().clone().requires_grad_(e.is_floating_point()) for e in ex]
+    ref_leaves = [e.detach().clone().requires_grad_(e.is_floating_point()) for e in ex]
+    out, ref = new(*leaves)[0], gm(*ref_leaves)[0]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        if a.requires_grad:
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)

@@ -29,6 +29,7 @@ Example: nanoGPT's block yields one Match with ``spec.describe() == "scale=0.125
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -625,6 +626,28 @@ def _is_none_at(index: Any, pos: int) -> bool:
         return False
     return all((e is None and i == pos) or (isinstance(e, slice) and e == slice(None))
                for i, e in enumerate(full))
+
+
+def unused_mha_weights(gm: fx.GraphModule) -> list[fx.Node]:
+    """``F.multi_head_attention_forward(..., need_weights=True)`` calls whose weights nobody reads.
+
+    Dynamo does not trace into ``nn.MultiheadAttention``: its graph holds one call whose
+    output is ``(attn_output, attn_weights)``. With ``need_weights=True`` that call computes
+    the probabilities explicitly (``baddbmm``, softmax, ``bmm``); when every user reads only
+    ``[0]``, ``need_weights=False`` computes the same output through SDPA.
+    """
+    import torch.nn.functional as F
+
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
+            continue
+        if node.kwargs.get("need_weights", True) is not True or len(node.args) > 15:
+            continue
+        if node.users and all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
+                              for u in node.users):
+            found.append(node)
+    return found
 
 
 def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None = None,
