@@ -16,7 +16,8 @@ How the cached model is built, and why it computes the same function:
    node carries symbolic shapes and the sequence length is one symbol ``T``. Parameters are the
    model's own tensors (shared, not copied).
 2. **Keep the logits**: the graph returns only the logits (a tensor, the first item of a tuple such
-   as nanoGPT's ``(logits, loss)``, or ``.logits``); everything else is dead code.
+   as nanoGPT's ``(logits, loss)``, or ``.logits``); everything else is dead code. Spellings export
+   adds (``type_as``, ``.float()``, full slices, inactive dropout) are read back as casts and identities.
 3. **Find sites** (``passes/find_sites.py``) and replace every proven *causal* site with a
    :class:`KVCacheAttention` module called as ``(q, k, v, scale, offset)``. Sites with another mask
    or active dropout stay as written, so step 4 refuses them.
@@ -330,12 +331,12 @@ _FULL_END = 2**63 - 1  # the end ``x[a:]`` records in ATen graphs
 
 
 def _tidy(gm: fx.GraphModule) -> None:
-    """Undo three spellings ``torch.export`` adds, so attention matches as it does in dynamo graphs.
+    """Undo spellings ``torch.export`` adds, so attention matches as it does in dynamo graphs.
 
     ``aten._assert_tensor_metadata`` (a dtype check after ``.float()``) is dropped; ``a.type_as(b)`` and
     ``a.float()`` (``aten.to.dtype``) become ``aten._to_copy(a, dtype=...)``; ``x[:, :]`` (a slice from 0 to
-    the end) becomes ``x``.
-    None of them changes a value.
+    the end) and inactive dropout (``aten.dropout(x, p, train=False)`` or ``p == 0``) become ``x``.
+    None of them changes a value; active dropout stays, and the position analysis refuses it.
     """
     graph = gm.graph
     for node in list(graph.nodes):
@@ -350,7 +351,8 @@ def _tidy(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(cast)
             graph.erase_node(node)
         elif node.target is aten.slice.Tensor and tuple(node.args[2:]) in ((0, _FULL_END), (None, _FULL_END),
-                                                                          (0, _FULL_END, 1), (None, _FULL_END, 1)):
+                                                                          (0, _FULL_END, 1), (None, _FULL_END, 1)) \
+                or node.target is aten.dropout.default and (node.args[1] == 0 or node.args[2] is False):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.eliminate_dead_code()
