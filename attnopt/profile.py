@@ -503,6 +503,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"{report['description']}; {env['device']} ({env['device_name']}), {report['options']['dtype']}, "
           f"torch {env['torch']}, {env['threads']} threads; matmul {env['matmul']['size']}^3: "
           f"{env['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s; medians of {args.repeats} alternating runs, no_grad")
+    load, cpus = env["load_average"], env["cpu_count"] or 1
+    if load is not None and load > 0.5 * cpus:
+        print(f"note: 1-min load average {load:.1f} on {cpus} CPUs: other processes share the CPUs, so times are "
+              f"inflated and noisy (try more --repeats)")
     print()
     print(table(report["records"]))
     print()

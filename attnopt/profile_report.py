@@ -117,7 +117,10 @@ def _ms(s: float | None) -> str:
 
 
 def _mib(b: int | None) -> str:
-    return "-" if b is None else f"{b / 2**20:.1f}"
+    if b is None:
+        return "-"
+    mib = b / 2**20
+    return f"{mib:.1f}" if mib >= 1 or mib == 0 else f"{mib:.2g}"
 
 
 def _ratio(x: float | None) -> str:
@@ -231,26 +234,37 @@ def plot(records: list[dict[str, Any]], out: Path) -> tuple[list[str], str | Non
     """Write the PNG plots under ``out``; return their paths, or none and why (no matplotlib, no data)."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import NullLocator
     except ImportError:
         return [], "plots skipped: matplotlib is not installed (pip install 'attnopt[plot]')"
     ok = [r for r in records if r["status"] == "ok"]
     if not ok:
         return [], "plots skipped: no measurement succeeded"
     phases = [p for p in ("prefill", "decode") if any(r["phase"] == p for r in ok)]
+    variants = list(dict.fromkeys(r["variant"] for r in records))  # one colour per variant in every panel
+    sizes = sorted({r["batch_size"] for r in records})  # one line style per batch size
+    styles = ["-", "--", ":", "-."]
     written = []
     for filename, key, factor, label, log_y in _PLOTS:
         fig = Figure(figsize=(5.5 * len(phases), 4), layout="constrained")
         axes = fig.subplots(1, len(phases), squeeze=False)[0]
         for ax, phase in zip(axes, phases):
-            lines = sorted({(r["variant"], r["batch_size"]) for r in ok if r["phase"] == phase})
-            for variant, b in lines:
+            lines = sorted({(variants.index(r["variant"]), r["batch_size"]) for r in ok if r["phase"] == phase})
+            for i, b in lines:
+                variant = variants[i]
                 pts = sorted((r["seq_len"], r[key] * factor) for r in ok if r["phase"] == phase
                              and (r["variant"], r["batch_size"]) == (variant, b) and r[key] is not None)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{variant}, B={b}")
+                    ax.plot(*zip(*pts), marker="o", color=f"C{i}", linestyle=styles[sizes.index(b) % len(styles)],
+                            label=f"{variant}, B={b}")
             ax.set_xscale("log", base=2)
+            ticks = sorted({r["seq_len"] for r in ok if r["phase"] == phase})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.xaxis.set_minor_locator(NullLocator())
             if log_y and any(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
                 ax.set_yscale("log")
+            elif not log_y:
+                ax.set_ylim(0, 100)
             ax.set_xlabel("sequence length T" + (" (context of the step)" if phase == "decode" else ""))
             ax.set_ylabel(label)
             ax.set_title(phase)
