@@ -112,11 +112,11 @@ def test_api_on_a_user_file_factory(factory, tmp_path):
     from attnopt.measure import peak_memory
 
     out = tmp_path / "prof"
-    report = profile(f"{factory}:build", batch_sizes=(2,), seq_lens=(8, 16), variants=("eager", "sdpa", "math"),
+    report = profile(f"{factory}:build", batch_sizes=(2,), seq_lens=(8, 16), variants=("eager", "math"),
                      trace=True, out=out, **FAST)
     assert report == _read_report(out)  # the API returns what report.json holds
     assert [(r["seq_len"], r["variant"]) for r in report["records"]] == [
-        (8, "eager"), (8, "sdpa"), (8, "math"), (16, "eager"), (16, "sdpa"), (16, "math")]
+        (8, "eager"), (8, "math"), (16, "eager"), (16, "math")]
     for r in report["records"]:
         t = r["seq_len"]
         assert r["status"] == "ok"
@@ -133,18 +133,18 @@ def test_api_on_a_user_file_factory(factory, tmp_path):
     finally:
         sys.path.remove(str(factory.parent))
     model, _ = my_model.build()
-    eager16 = report["records"][3]
+    eager16 = report["records"][2]
     assert eager16["peak_bytes"] == peak_memory(model.eval(), torch.randint(0, 32, (2, 16)))
     assert eager16["peak_op"]["op"].startswith("aten::")
 
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(factory, tmp_path):
     out = tmp_path / "prof"
-    report = profile(f"{factory}:build_failing", seq_lens=(8, 24, 12), variants=("eager", "sdpa"), out=out, **FAST)
+    report = profile(f"{factory}:build_failing", seq_lens=(24, 8), variants=("eager", "sdpa"), out=out, **FAST)
     assert _read_report(out)["complete"]
     status = {(r["seq_len"], r["variant"]): (r["status"], r["error"]) for r in report["records"]}
     for variant in ("eager", "sdpa"):
-        assert status[8, variant] == ("ok", None) and status[12, variant] == ("ok", None)
+        assert status[8, variant] == ("ok", None)  # the point after the failing one is measured
         state, error = status[24, variant]
         assert state == "error" and "at most 16 tokens, got 24" in error
     assert any("failed" in line for line in report["summary"])
