@@ -168,7 +168,8 @@ def _read_ranges(events: Any, device: torch.device) -> tuple[float, dict[str, fl
     kernels: list[tuple[float, float]] = []
     for e in events:
         if e.device_type == DeviceType.CUDA:
-            kernels.append((e.time_range.start, e.time_range.end))
+            if not getattr(e, "is_user_annotation", False):  # ranges mirrored on the device span many kernels
+                kernels.append((e.time_range.start, e.time_range.end))
         elif e.name == FORWARD_RANGE:
             forward += e.cpu_time_total * 1e-6
         elif e.name.startswith(SITE_PREFIX):

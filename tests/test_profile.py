@@ -284,3 +284,28 @@ def test_out_of_memory_is_told_apart_from_other_errors():
     assert is_oom(MemoryError())
     assert not is_oom(RuntimeError("shape mismatch"))
     assert not is_oom(ValueError("out of memory"))  # only the allocators' errors count
+
+
+def test_cuda_ranges_read_kernel_time_and_idle_gaps_from_profiler_events():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from attnopt.profile_measure import FORWARD_RANGE, _read_ranges
+
+    def kernel(start, end, annotation=False):
+        return SimpleNamespace(device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end),
+                               name="attnopt::site0" if annotation else "gemm", is_user_annotation=annotation)
+
+    def cpu(name, cpu_us, device_us):
+        return SimpleNamespace(device_type=DeviceType.CPU, name=name, cpu_time_total=cpu_us,
+                               device_time_total=device_us)
+
+    events = [cpu(FORWARD_RANGE, 60.0, 0.0), cpu("attnopt::site0", 9.0, 7.0), cpu("attnopt::site1", 4.0, 2.0),
+              kernel(0, 10), kernel(15, 20), kernel(18, 30), kernel(40, 50), kernel(0, 50, annotation=True)]
+    forward, sites, idle = _read_ranges(events, torch.device("cuda"))
+    assert forward == pytest.approx(60e-6)
+    assert sites == pytest.approx({"site0": 7e-6, "site1": 2e-6})  # kernel time inside the ranges on CUDA
+    assert idle == pytest.approx(15e-6)  # 10..15 and 30..40; overlapping kernels and mirrored ranges fill nothing
+    forward, sites, idle = _read_ranges(events[:3], torch.device("cpu"))
+    assert sites == pytest.approx({"site0": 9e-6, "site1": 4e-6}) and idle is None
