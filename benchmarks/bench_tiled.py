@@ -1,7 +1,10 @@
 """Tiled kernel benchmark: forward+backward time and peak memory of tiled64/128/256 vs math and SDPA.
 
-    python benchmarks/bench_tiled.py                          # T in {1024, 4096}, about 5 minutes on 2 cores
-    python benchmarks/bench_tiled.py --seq-lens 1024 --repeats 5
+    python benchmarks/bench_tiled.py --threads 1              # T in {1024, 4096}, about 4 minutes
+    python benchmarks/bench_tiled.py --seq-lens 1024 --repeats 9
+
+On a CPU shared with other jobs pass ``--threads 1``: with more intra-op threads than free cores, the
+tiled kernel's many small ops stall at OpenMP barriers and its times scatter by 10x between rounds.
 
 Inputs: q, k, v of shape (B=1, H=12, T, D=64), fp32, causal (``is_causal=True``, scale ``1/sqrt(D)``),
 on CPU (or ``--device cuda``). One step is the forward and the backward to q, k and v with a fixed
@@ -47,7 +50,7 @@ MEMORY_TARGET = 0.1  # tiled / math peak memory at the longest T
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], help="sequence lengths")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per T (each runs every variant once)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per T (each runs every variant once)")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="registered candidate names")
