@@ -79,7 +79,8 @@ def _accepted_variants() -> list[str]:
 
 
 def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase: str, variants: Sequence[str],
-                  dtype: str, device: str, repeats: int, matmul_size: int | None = None) -> str | None:
+                  dtype: str, device: str, repeats: int, matmul_size: int | None = None,
+                  threads: int | None = None) -> str | None:
     """What is wrong with these options (a message naming the accepted values), or None."""
     for name, values in (("batch-sizes", batch_sizes), ("seq-lens", seq_lens)):
         if not values or any(not isinstance(v, int) or v < 1 for v in values):
@@ -106,13 +107,16 @@ def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase:
         return f"--repeats must be >= 1, got {repeats}"
     if matmul_size is not None and matmul_size < 1:
         return f"--matmul-size must be >= 1, got {matmul_size}"
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        return f"--threads must be >= 1, got {threads}"
     return None
 
 
 def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[int] = (128, 512),
             phase: str = "prefill", variants: Iterable[str] = ("eager", "auto"), dtype: str = "float32",
             device: str = "cpu", repeats: int = 10, trace: bool = False, out: str | os.PathLike[str] | None = None,
-            progress: bool = True, matmul_size: int | None = None, seed: int = 0) -> dict[str, Any]:
+            progress: bool = True, matmul_size: int | None = None, seed: int = 0,
+            threads: int | None = None) -> dict[str, Any]:
     """Profile ``spec`` over the sweep and return the report (the content of ``report.json``).
 
     Args:
@@ -130,14 +134,29 @@ def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[
         matmul_size: side of the square matmul that measures the device's rate (default 1024 on
             CPU, 8192 on CUDA).
         seed: seed for weights and inputs.
+        threads: CPU threads torch uses during the run (``torch.set_num_threads``; restored after).
+            On a machine other processes share, 1 thread keeps timings steadier.
     """
     batch_sizes, seq_lens, variants = list(batch_sizes), list(seq_lens), list(variants)
     problem = check_options(batch_sizes=batch_sizes, seq_lens=seq_lens, phase=phase, variants=variants,
-                            dtype=dtype, device=device, repeats=repeats, matmul_size=matmul_size)
+                            dtype=dtype, device=device, repeats=repeats, matmul_size=matmul_size, threads=threads)
     if problem:
         raise ValueError(problem)
     if trace and out is None:
         raise ValueError("trace=True writes chrome traces under out; pass out=<folder>")
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _sweep(spec, batch_sizes, seq_lens, phase, variants, dtype, device, repeats, trace, out, progress,
+                      matmul_size, seed)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, variants: list[str], dtype: str,
+           device: str, repeats: int, trace: bool, out: str | os.PathLike[str] | None, progress: bool,
+           matmul_size: int | None, seed: int) -> dict[str, Any]:
     phases = ["prefill", "decode"] if phase == "both" else [phase]
     dev, dt = torch.device(device), DTYPES[dtype]
     out_dir = Path(out) if out is not None else None
@@ -478,6 +497,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="side of the matmul that measures the device's rate (default 1024 CPU, 8192 CUDA)")
     parser.add_argument("--trace", action="store_true", help="write chrome traces per point under DIR/traces")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default 0)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's); 1 keeps timings steadier on a shared machine")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--out", metavar="DIR", required=True, help="folder for report.json, plots and traces")
 
@@ -487,7 +508,7 @@ def main(args: argparse.Namespace) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     problem = check_options(batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
                             variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
-                            matmul_size=args.matmul_size)
+                            matmul_size=args.matmul_size, threads=args.threads)
     if problem:
         print(f"attnopt profile: error: {problem}", file=sys.stderr)
         return 2
@@ -495,7 +516,7 @@ def main(args: argparse.Namespace) -> int:
         report = profile(args.spec, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
                          variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
                          trace=args.trace, out=args.out, progress=not args.no_progress,
-                         matmul_size=args.matmul_size, seed=args.seed)
+                         matmul_size=args.matmul_size, seed=args.seed, threads=args.threads)
     except SpecError as e:
         print(f"attnopt profile: error: {e}", file=sys.stderr)
         return 2

@@ -140,7 +140,10 @@ def test_api_on_a_user_file_factory(factory, tmp_path):
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(factory, tmp_path):
     out = tmp_path / "prof"
-    report = profile(f"{factory}:build_failing", seq_lens=(24, 8), variants=("eager", "sdpa"), out=out, **FAST)
+    threads = torch.get_num_threads()
+    report = profile(f"{factory}:build_failing", seq_lens=(24, 8), variants=("eager", "sdpa"), out=out, threads=1,
+                     **FAST)
+    assert report["environment"]["threads"] == 1 and torch.get_num_threads() == threads  # restored after the run
     assert _read_report(out)["complete"]
     status = {(r["seq_len"], r["variant"]): (r["status"], r["error"]) for r in report["records"]}
     for variant in ("eager", "sdpa"):
@@ -251,6 +254,7 @@ def test_bad_spec_is_a_clear_error(spec, message, factory, tmp_path, capsys):
     (["--variants", "auto,auto"], "lists a variant twice"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
 ])
 def test_bad_flags_are_clear_errors(flags, message, capsys, tmp_path):
     rc = main(["profile", "nanogpt", "--out", str(tmp_path), *flags])
