@@ -19,8 +19,11 @@ How the cached model is built, and why it computes the same function:
    as nanoGPT's ``(logits, loss)``, or ``.logits``); everything else is dead code. Spellings export
    adds (``type_as``, ``.float()``, full slices, inactive dropout) are read back as casts and identities.
 3. **Find sites** (``passes/find_sites.py``) and replace every proven *causal* site with a
-   :class:`KVCacheAttention` module called as ``(q, k, v, scale, offset)``. Sites with another mask
-   or active dropout stay as written, so step 4 refuses them.
+   :class:`KVCacheAttention` module called as ``(q, k, v, scale, offset)``. A mask the symbolic proof
+   cannot read but that is computed from sizes alone (Hugging Face builds its causal mask from
+   position ids) gets a :class:`MaskCheck`: it is evaluated for every ``(batch, length)`` the cache
+   serves and must be exactly causal there, else the call raises. Sites with another mask or active
+   dropout stay as written, so step 4 refuses them.
 4. **Prove positions** (``passes/positions.py``): every other op acts on each position alone, or
    reads positions only through ``arange(T)`` / ``table[:T]``; otherwise
    :class:`~attnopt.passes.positions.PositionError` names the op and its source line.
@@ -52,6 +55,7 @@ from tabulate import tabulate
 from .candidates import get_candidate
 from .canon import meta_value, shape_of
 from .passes.find_sites import Match, find_sites
+from .passes.masks import Add
 from .passes.positions import PositionError, PositionPlan, analyse_positions, offset_positions
 from .passes.rewrite_sdpa import rewrite_sites
 from .runtime import AttentionSite
@@ -119,6 +123,78 @@ class KVCacheAttention(nn.Module):
         return out
 
 
+class MaskCheck:
+    """A site mask computed from sizes alone that the symbolic proof could not read (e.g. Hugging Face's
+    masks, built from position ids with comparisons and a packed-sequence ``cumsum``).
+
+    The mask's subgraph (token ids enter only through their sizes) is a function of the batch size
+    and length alone. The cached model drops it and attends causally, which is exact exactly when
+    that function gives the causal pattern (keep ``j <= i``; masked entries ``-inf`` or the dtype's
+    minimum) at every length the cache serves: the cached model evaluates it for each new
+    ``(batch, length)`` before running (one mask computation, as the model itself does per call).
+    """
+
+    def __init__(self, module: fx.GraphModule, term: Any, site_name: str, where: str):
+        self.module = module
+        self.additive = isinstance(term, Add)
+        self.keep_when_true = getattr(term, "keep_when_true", False)
+        self.site_name = site_name
+        self.where = where
+        self.checked: set[tuple[int, int]] = set()
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, m: Match, tokens: fx.Node) -> MaskCheck | str:
+        """The check for ``m``'s mask, or why its mask cannot be checked."""
+        if len(m.mask.terms) != 1:
+            return "it combines several masks"
+        term = m.mask.terms[0]
+        node = term.mask if isinstance(term, Add) else term.cond
+        pending, seen = [node], set()
+        while pending:
+            n = pending.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n is tokens:
+                return "its mask depends on the token values"
+            if n.op == "call_function" and n.target is aten.sym_size.int:
+                continue  # only the tokens' sizes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                    and torch.Tag.nondeterministic_seeded in n.target.tags:
+                return "its mask is random"
+            pending.extend(n.all_input_nodes)
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        graph.graph_copy(gm.graph, env)
+        graph.output(env[node])
+        graph.eliminate_dead_code()
+        where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
+        check = cls(fx.GraphModule(gm, graph), term, m.record.name, where)
+        for length in range(1, 9):  # refuse masks that are plainly not causal now, not at the first call
+            if not check.holds(2, length, tokens.meta["val"].device):
+                return f"its mask is not causal at length {length}"
+        return check
+
+    def holds(self, batch: int, length: int, device: torch.device) -> bool:
+        """The mask for ``batch`` sequences of ``length`` tokens is exactly the causal pattern."""
+        if (batch, length) in self.checked:
+            return True
+        with torch.no_grad():
+            mask = self.module(torch.zeros(batch, length, dtype=torch.long, device=device))
+        if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+            return False
+        lower = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril().expand(mask.shape)
+        if self.additive:
+            masked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min)
+            ok = torch.equal(mask == 0, lower) and bool((masked | lower).all())
+        else:
+            keep = mask if self.keep_when_true else ~mask
+            ok = torch.equal(keep, lower)
+        if ok:
+            self.checked.add((batch, length))
+        return ok
+
+
 class CachedLM:
     """A causal LM that runs new tokens only, attending to cached keys and values.
 
@@ -145,6 +221,7 @@ class CachedLM:
         self.name = name
         self.length = 0
         self.batch: int | None = None
+        self.mask_checks: list[MaskCheck] = []
 
     @property
     def cache_bytes(self) -> int:
@@ -161,6 +238,7 @@ class CachedLM:
         _check_tokens(idx, "idx")
         self.reset()
         self._check_room(idx.size(1))
+        self._check_masks(idx.size(0), idx.size(1), idx.device)
         with torch.no_grad():
             logits = self.graph_module(idx, 0)
         self.length, self.batch = idx.size(1), idx.size(0)
@@ -175,10 +253,17 @@ class CachedLM:
             raise ValueError(f"tokens has batch size {tokens.size(0)} but the cached sequences {self.batch}; "
                              "call prefill(idx) to start a new batch")
         self._check_room(self.length + tokens.size(1))
+        self._check_masks(self.batch, self.length + tokens.size(1), tokens.device)
         with torch.no_grad():
             logits = self.graph_module(tokens, self.length)
         self.length += tokens.size(1)
         return logits
+
+    def _check_masks(self, batch: int, length: int, device: torch.device) -> None:
+        for c in self.mask_checks:
+            if not c.holds(batch, length, device):
+                raise PositionError(f"the mask of {c.site_name} ({c.where}) is not causal for {batch} sequence(s) "
+                                    f"of {length} tokens, so the cache would not compute what the model does")
 
     def _check_room(self, needed: int) -> None:
         if needed > self.max_len:
@@ -188,7 +273,9 @@ class CachedLM:
 
     def describe(self) -> str:
         """Sites, length limit and cache memory as text."""
-        rows = [[s.site_name, s.where, s.spec.describe()] for s in self.sites]
+        checked = {c.site_name for c in self.mask_checks}
+        rows = [[s.site_name, s.where, s.spec.describe()
+                 + (" (mask checked causal at each length)" if s.site_name in checked else "")] for s in self.sites]
         per = "unknown" if self.bytes_per_token is None else f"{self.bytes_per_token} B"
         lines = [f"attnopt cached {self.name}: {len(self.sites)} attention site(s) cached, "
                  f"max_len={self.max_len} ({self.max_len_source})",
@@ -229,9 +316,15 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
     gm, tokens, ep = _capture(model, example_len)
     graph = gm.graph
     found = [f for f in find_sites(gm, {}) if isinstance(f, Match)]
-    chosen, notes = [], {}
+    chosen, notes, checks = [], {}, []
     for m in found:
         why = _not_cacheable(m.spec)
+        if why is not None and m.spec.causal is None and m.spec.mask != "none":
+            check = MaskCheck.of(gm, m, tokens)  # a mask of sizes alone: is it causal at every length used?
+            if isinstance(check, MaskCheck):
+                why, checks = _not_cacheable(m.spec, mask_checked=True), [*checks, check]
+            else:
+                why = f"{why[:-1]}: {check})"
         if why is None:
             chosen.append(m)
         else:
@@ -265,11 +358,13 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
     limit, source = _resolve_max_len(max_len, declared, plan, ep, tokens)
     for s in sites:
         s.max_len = limit
-    return CachedLM(gm, sites, limit, source, _bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
+    lm = CachedLM(gm, sites, limit, source, _bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
+    lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
+    return lm
 
 
-def _not_cacheable(spec: AttentionSpec) -> str | None:
-    if spec.causal is None:
+def _not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None:
+    if spec.causal is None and not mask_checked:
         mask = "it has no mask" if spec.mask == "none" else f"its {spec.mask} mask is not proven causal"
         return f"is not proven to be causal self-attention ({mask})"
     if spec.dropout_mode == "on":
@@ -524,4 +619,4 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
     return torch.cat(out, dim=1)
 
 
-__all__ = ["CachedLM", "KVCacheAttention", "PositionError", "cached", "generate", "generate_plain"]
+__all__ = ["CachedLM", "KVCacheAttention", "MaskCheck", "PositionError", "cached", "generate", "generate_plain"]

@@ -252,16 +252,59 @@ def test_last_position_only_output_is_refused():
         cached(model)
 
 
-def test_hugging_face_llama_mask_is_refused_with_the_site_named():
-    """HF builds its causal mask from position ids (packed-sequence detection with cumsum); attnopt cannot prove
-    that mask causal yet, so it refuses instead of guessing."""
+def test_hugging_face_llama_equals_the_plain_loop():
+    """HF builds its causal mask from position ids (comparisons and a packed-sequence cumsum): not proven
+    symbolically, so it is checked causal at every length the cache serves."""
     import transformers  # part of the dev extra
-    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
                                    attn_implementation="eager")
     model = transformers.LlamaForCausalLM(cfg).eval()
-    with pytest.raises(PositionError, match=r"modeling_llama.py:\d+ .*site0 .*additive mask is not proven causal"):
-        cached(model)
+    c = cached(model)
+    assert c.max_len == 32 and len(c.mask_checks) == 2 and "mask checked causal" in c.describe()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    torch.testing.assert_close(c.prefill(idx), model(idx).logits, atol=1e-5, rtol=1e-5)
+    new = torch.randint(0, VOCAB, (2, 3))
+    torch.testing.assert_close(c.step(new), model(torch.cat((idx, new), 1)).logits[:, 5:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(c, idx, 12), generate_plain(model, idx, 12))
+    kw = dict(do_sample=True, top_k=10)
+    assert torch.equal(generate(c, idx, 12, generator=torch.Generator().manual_seed(1), **kw),
+                       generate_plain(model, idx, 12, generator=torch.Generator().manual_seed(1), **kw))
+
+
+class MaskedAttention(nn.Module):
+    """Attention with a mask built from sizes: causal within a window of ``window`` keys, or all zeros."""
+
+    def __init__(self, window: int | None):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.window = window
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, 2, 8).transpose(1, 2) for y in self.qkv(x).split(16, dim=2))
+        if self.window is None:
+            mask = torch.zeros(t, t)
+        else:
+            mask = torch.full((t, t), float("-inf")).triu(1) + torch.full((t, t), float("-inf")).tril(-self.window)
+        att = F.softmax(q @ k.transpose(-2, -1) * (1.0 / math.sqrt(8)) + mask, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def test_size_only_mask_that_is_not_causal_is_refused():
+    with pytest.raises(PositionError, match=r"its mask is not causal at length 2"):
+        cached(TinyLM(MaskedAttention(window=None)))
+
+
+def test_sliding_window_mask_is_refused_once_it_stops_being_causal():
+    torch.manual_seed(0)
+    c = cached(TinyLM(MaskedAttention(window=10)).eval())  # causal up to 10 tokens
+    c.prefill(torch.randint(0, VOCAB, (1, 8)))
+    c.step(torch.randint(0, VOCAB, (1, 2)))
+    with pytest.raises(PositionError, match=r"not causal for 1 sequence\(s\) of 11 tokens"):
+        c.step(torch.randint(0, VOCAB, (1, 1)))
 
 
 def test_public_names():
