@@ -61,9 +61,9 @@ from .passes.rewrite_sdpa import rewrite_sites
 from .runtime import AttentionSite
 from .site import AttentionSpec
 
-#: Config attributes that name a model's maximum number of positions, most specific first.
 aten = torch.ops.aten
 
+#: Config attributes that name a model's maximum number of positions, most specific first.
 _CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
 
 
@@ -143,8 +143,8 @@ class MaskCheck:
         self.checked: set[tuple[int, int]] = set()
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, m: Match, tokens: fx.Node) -> MaskCheck | str:
-        """The check for ``m``'s mask, or why its mask cannot be checked."""
+    def of(cls, gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8) -> MaskCheck | str:
+        """The check for ``m``'s mask (already checked at lengths ``1..upto``), or why it cannot be used."""
         if len(m.mask.terms) != 1:
             return "it combines several masks"
         term = m.mask.terms[0]
@@ -170,9 +170,12 @@ class MaskCheck:
         graph.eliminate_dead_code()
         where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
         check = cls(fx.GraphModule(gm, graph), term, m.record.name, where)
-        for length in range(1, 9):  # refuse masks that are plainly not causal now, not at the first call
-            if not check.holds(2, length, tokens.meta["val"].device):
-                return f"its mask is not causal at length {length}"
+        for length in range(1, upto + 1):  # refuse masks that are plainly not causal now, not at the first call
+            try:
+                if not check.holds(2, length, tokens.meta["val"].device):
+                    return f"its mask is not causal at length {length}"
+            except Exception as e:  # noqa: BLE001 - a mask attnopt cannot evaluate is a mask it cannot trust
+                return f"its mask could not be evaluated at length {length} ({type(e).__name__}: {e})"
         return check
 
     def holds(self, batch: int, length: int, device: torch.device) -> bool:
@@ -261,7 +264,12 @@ class CachedLM:
 
     def _check_masks(self, batch: int, length: int, device: torch.device) -> None:
         for c in self.mask_checks:
-            if not c.holds(batch, length, device):
+            try:
+                ok = c.holds(batch, length, device)
+            except Exception as e:
+                raise PositionError(f"the mask of {c.site_name} ({c.where}) could not be evaluated for {batch} "
+                                    f"sequence(s) of {length} tokens: {type(e).__name__}: {e}") from e
+            if not ok:
                 raise PositionError(f"the mask of {c.site_name} ({c.where}) is not causal for {batch} sequence(s) "
                                     f"of {length} tokens, so the cache would not compute what the model does")
 
@@ -304,6 +312,9 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
             found (``config.block_size``/``max_position_embeddings``/..., position tables, length checks
             in ``forward``). A value beyond a position table or check of the model is refused.
 
+    Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
+    ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not.
+
     Raises:
         PositionError: the model is not provably cacheable; the message names the op and line.
     """
@@ -320,7 +331,7 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
     for m in found:
         why = _not_cacheable(m.spec)
         if why is not None and m.spec.causal is None and m.spec.mask != "none":
-            check = MaskCheck.of(gm, m, tokens)  # a mask of sizes alone: is it causal at every length used?
+            check = MaskCheck.of(gm, m, tokens, min(8, declared or 8))  # a mask of sizes alone: causal?
             if isinstance(check, MaskCheck):
                 why, checks = _not_cacheable(m.spec, mask_checked=True), [*checks, check]
             else:
