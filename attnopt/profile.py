@@ -530,6 +530,7 @@ def main(args: argparse.Namespace) -> int:
               f"inflated and noisy (try more --repeats)")
     print()
     print(table(report["records"]))
+    print("* in profiled calls (profiling slows the forward too; the share compares times of the same calls)")
     print()
     for line in report["summary"]:
         print(line)

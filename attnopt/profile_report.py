@@ -254,9 +254,12 @@ def plot(records: list[dict[str, Any]], out: Path) -> tuple[list[str], str | Non
                 variant = variants[i]
                 pts = sorted((r["seq_len"], r[key] * factor) for r in ok if r["phase"] == phase
                              and (r["variant"], r["batch_size"]) == (variant, b) and r[key] is not None)
+                methods = sorted({r["decode_method"] for r in ok if r["phase"] == phase and r["decode_method"]
+                                  and (r["variant"], r["batch_size"]) == (variant, b)})
+                how = f" ({', '.join(m.replace('_', ' ') for m in methods)})" if methods else ""
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=f"C{i}", linestyle=styles[sizes.index(b) % len(styles)],
-                            label=f"{variant}, B={b}")
+                            label=f"{variant}{how}, B={b}")
             ax.set_xscale("log", base=2)
             ticks = sorted({r["seq_len"] for r in ok if r["phase"] == phase})
             ax.set_xticks(ticks, [str(t) for t in ticks])
