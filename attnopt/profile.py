@@ -398,35 +398,31 @@ class _Session:
     def _inspect(self, variant: str, rec: dict[str, Any], runner: Runner, eager_where: dict[str, str],
                  flops: float | None) -> None:
         """Attention time, share, roofline and gaps of one variant from profiled calls."""
-        ranges = profile_ranges(runner, self.dev, PROFILED_CALLS)
-        import attnopt
+        from .api import explain
 
-        where = eager_where
-        if variant != "eager":
-            rep = attnopt.explain(self.models[variant]) if variant in self.models else None
-            where = {r.name: " ".join(x for x in (r.module_path, f"({r.source})" if r.source else "") if x)
-                     for r in (rep.records if rep is not None else []) if r.rewritten}
+        ranges = profile_ranges(runner, self.dev, PROFILED_CALLS)
+        where = eager_where if variant == "eager" else _site_places(explain(self.models[variant]))
         rec["sites"] = {n: {"seconds": s, "where": where.get(n, "")} for n, s in ranges.sites_s.items()}
-        if variant == "eager":
-            rec["attention_method"] = "captured_regions"
-            rec["attention_note"] = ("ops from each site's score product to its P @ V, timed on dynamo's capture "
-                                     "of the model as written")
-        elif rec["decode_method"] == "kv_cache" and not ranges.sites_s:
-            rec["attention_note"] = "the cached step runs no attnopt::<site> range"
-        else:
-            rec["attention_method"] = "site_ranges"
         rec["profiled_forward_s"] = ranges.forward_s
-        if ranges.attention_s is not None:
+        if ranges.attention_s is None:
+            if rec["decode_method"] == "kv_cache":
+                rec["attention_note"] = "the cached step runs no attnopt::<site> range"
+            else:
+                rec["attention_note"] = "no attention site ran in an attnopt::<site> range (none found or rewritten)"
+                if variant == "eager" and self.counter.failures:
+                    rec["attention_note"] += f"; capturing the sites failed: {'; '.join(self.counter.failures)}"
+        else:
+            if variant == "eager":
+                rec["attention_method"] = "captured_regions"
+                rec["attention_note"] = ("ops from each site's score product to its P @ V, timed on dynamo's "
+                                         "capture of the model as written")
+            else:
+                rec["attention_method"] = "site_ranges"
             rec["attention_s"] = ranges.attention_s
             rec["attention_share"] = finite(ranges.attention_s / ranges.forward_s) if ranges.forward_s else None
             if flops is not None and ranges.attention_s > 0:
-                rec["attention_flops"] = flops
                 rec["attention_flops_per_s"] = flops / ranges.attention_s
                 rec["roofline_ratio"] = rec["attention_flops_per_s"] / self.matmul_flops
-        elif rec["attention_note"] is None:
-            rec["attention_note"] = "no attention site ran in an attnopt::<site> range (none found or rewritten)"
-            if variant == "eager" and self.counter.failures:
-                rec["attention_note"] += f"; capturing the sites failed: {'; '.join(self.counter.failures)}"
         if flops is not None:
             rec["attention_flops"] = flops
         if self.dev.type == "cuda":
@@ -442,6 +438,12 @@ class _Session:
     def _release(self) -> None:
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _site_places(report: Any) -> dict[str, str]:
+    """Site name -> "module.path (file:line)" for the sites an optimized model's report says it rewrote."""
+    return {r.name: " ".join(x for x in (r.module_path, f"({r.source})" if r.source else "") if x)
+            for r in report.records if r.rewritten}
 
 
 def _memory_timeline(prof: Any, stem: Path, dev: torch.device) -> str | None:

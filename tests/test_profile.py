@@ -62,6 +62,18 @@ FACTORY = textwrap.dedent('''
 
     def not_a_pair():
         return Tiny()
+
+    class NoAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, idx):
+            return self.head(torch.relu(self.emb(idx)))
+
+    def build_no_attention():
+        return NoAttention(), tokens
 ''')
 
 FAST = {"repeats": 1, "progress": False, "matmul_size": 64}
@@ -313,3 +325,12 @@ def test_cuda_ranges_read_kernel_time_and_idle_gaps_from_profiler_events():
     assert idle == pytest.approx(15e-6)  # 10..15 and 30..40; overlapping kernels and mirrored ranges fill nothing
     forward, sites, idle = _read_ranges(events[:3], torch.device("cpu"))
     assert sites == pytest.approx({"site0": 9e-6, "site1": 4e-6}) and idle is None
+
+
+def test_a_model_without_attention_reports_attention_as_not_available(factory):
+    report = profile(f"{factory}:build_no_attention", seq_lens=(8,), variants=("eager", "sdpa"), **FAST)
+    for r in report["records"]:
+        assert r["status"] == "ok" and r["forward_s"] > 0 and r["sites"] == {}
+        assert r["attention_s"] is None and r["attention_share"] is None and r["attention_flops"] is None
+        assert "no attention site ran" in r["attention_note"]
+    assert "its attention time is n/a" in report["summary"][0]
