@@ -280,7 +280,9 @@ class _Session:
                 step = None if dense is None else dense / (t + 1)
                 self._inspect(v, rec, eager_profiled if v == "eager" else runner, sites_where,
                               step if rec["decode_method"] == "kv_cache" else flops)
-                mem = profile_memory(runner, self.dev)
+                # module paths need the model's own call; compiled variants run one graph instead
+                as_written = v == "eager" and rec["decode_method"] != "kv_cache"
+                mem = profile_memory(runner, self.dev, model=self.model if as_written else None)
                 rec["peak_bytes"] = mem.peak_bytes
                 rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
                                   "module": mem.module, "site": mem.site}

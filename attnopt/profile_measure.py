@@ -13,9 +13,9 @@ optional untimed preparation before each call (a decode step first needs its pre
 * :func:`profile_memory`: one call under ``torch.profiler(profile_memory=True)``; the peak is
   the running sum of allocated minus freed bytes on the device, in time order (the definition
   of ``attnopt.measure.peak_memory``), and the op that made the allocation reaching it is named
-  with its input shapes, its module (``nn.Module: <class>_<n>``, the profiler's numbering) and
-  its attention site. On CUDA the peak bytes are ``torch.cuda.max_memory_allocated`` above what
-  was allocated before the call.
+  with its input shapes, its module (its path in the model for models that run as written, else
+  the profiler's ``<class>_<n>``) and its attention site. On CUDA the peak bytes are
+  ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
 * :func:`bracket_sites`: the model as written, captured by dynamo with every attention site
   found by attnopt's matcher left as written but wrapped in an ``attnopt::<site>`` range. Eager
   attention is not a separate call, so this is how its time is measured: the ops of the
@@ -192,29 +192,49 @@ class MemoryPeak:
     op: str | None = None  # the op whose allocation reached the peak
     shapes: list[Any] = field(default_factory=list)  # its input shapes
     alloc_bytes: int | None = None  # the size of that allocation
-    module: str | None = None  # innermost ``nn.Module: <class>_<n>`` frame around it (models run as written)
+    module: str | None = None  # innermost module around it: its path, or the profiler's ``<class>_<n>``
     site: str | None = None  # the ``attnopt::<site>`` range around it, if any
     profiler: Any = None
 
 
-def profile_memory(runner: Runner, device: torch.device) -> MemoryPeak:
-    """Peak tensor bytes of one ``run()`` above what was live before, and the op that reached it."""
+def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module | None = None) -> MemoryPeak:
+    """Peak tensor bytes of one ``run()`` above what was live before, and the op that reached it.
+
+    With ``model`` (a module that runs as written, not a compiled one), the module around the
+    op is named by its path in ``model`` (e.g. ``h.0.attn``): the profiler numbers the
+    instances of a class in the order they are first called, which hooks record during the call.
+    """
     import gc
 
     from torch.profiler import profile
 
-    with torch.no_grad():
-        if runner.setup is not None:
-            runner.setup()
-        gc.collect()
-        sync(device)
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        with profile(activities=_activities(device), profile_memory=True, record_shapes=True,
-                     with_stack=True) as prof:
-            out = runner.run()
-        del out
+    called: dict[str, list[str]] = {}  # class name -> module paths in the order of their first call
+    hooks = []
+    if model is not None:
+        for path, module in model.named_modules():
+            def first_call(m: torch.nn.Module, args: Any, path: str = path) -> None:
+                paths = called.setdefault(type(m).__name__, [])
+                if path not in paths:
+                    paths.append(path)
+
+            hooks.append(module.register_forward_pre_hook(first_call))
+    try:
+        with torch.no_grad():
+            if runner.setup is not None:
+                runner.setup()
+            called.clear()
+            gc.collect()
+            sync(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            with profile(activities=_activities(device), profile_memory=True, record_shapes=True,
+                         with_stack=True) as prof:
+                out = runner.run()
+            del out
+    finally:
+        for h in hooks:
+            h.remove()
     kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
     events = list(prof.profiler.kineto_results.events())
     records = sorted((e for e in events if e.name() == "[memory]" and e.device_type() == kind),
@@ -243,11 +263,20 @@ def profile_memory(runner: Runner, device: torch.device) -> MemoryPeak:
     result.alloc_bytes = int(at.nbytes())
     modules = [e for e in around if e.name().startswith("nn.Module: ")]
     if modules:
-        result.module = max(modules, key=lambda e: e.start_ns()).name()[len("nn.Module: "):]
+        result.module = _module_path(max(modules, key=lambda e: e.start_ns()).name()[len("nn.Module: "):], called)
     sites = [e for e in around if e.name().startswith(SITE_PREFIX)]
     if sites:
         result.site = max(sites, key=lambda e: e.start_ns()).name()[len(SITE_PREFIX):]
     return result
+
+
+def _module_path(profiler_name: str, called: dict[str, list[str]]) -> str:
+    """``h.0.attn`` for the profiler's ``CausalSelfAttention_0`` when the call order is known, else the name."""
+    cls, _, n = profiler_name.rpartition("_")
+    paths = called.get(cls, [])
+    if n.isdigit() and int(n) < len(paths):
+        return paths[int(n)] or "(the model)"
+    return profiler_name
 
 
 @dataclass

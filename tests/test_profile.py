@@ -108,6 +108,10 @@ def test_cli_nanogpt_writes_valid_report_plots_table_and_summary(tmp_path, capsy
     assert sdpa["attention_method"] == "site_ranges"
     assert {s["where"].split(" ")[0] for s in sdpa["sites"].values()} == {f"h.{i}.attn" for i in range(4)}
     assert 0 < eager["attention_share"] < 1 and eager["idle_gap_note"] == "n/a on CPU"
+    from attnopt.models import GPTConfig, NanoGPT
+
+    paths = {name for name, _ in NanoGPT(GPTConfig(n_layer=4)).named_modules()}
+    assert eager["peak_op"]["module"] in paths  # the model as written: the module's path, e.g. h.0.mlp
     # the same function, equal FLOPs: 4 layers x 2 products x (1 x 4 heads x 136 causal score entries of 16 x 16)
     # x (32 + 32) head dims
     assert eager["attention_flops"] == sdpa["attention_flops"] == 4 * 2 * (4 * 136) * 64
