@@ -262,7 +262,7 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
         result.op, result.shapes = outer.name(), [list(s) for s in outer.shapes() if s]
     result.alloc_bytes = int(at.nbytes())
     modules = [e for e in around if e.name().startswith("nn.Module: ")]
-    if modules:
+    if modules and (model is not None or len(modules) > 1):  # the outermost alone says nothing: a compiled call
         result.module = _module_path(max(modules, key=lambda e: e.start_ns()).name()[len("nn.Module: "):], called)
     sites = [e for e in around if e.name().startswith(SITE_PREFIX)]
     if sites:
