@@ -282,7 +282,8 @@ class _Session:
                               step if rec["decode_method"] == "kv_cache" else flops)
                 # module paths need the model's own call; compiled variants run one graph instead
                 as_written = v == "eager" and rec["decode_method"] != "kv_cache"
-                mem = profile_memory(runner, self.dev, model=self.model if as_written else None)
+                mem = profile_memory(runner, self.dev, model=self.model if as_written else None,
+                                     wrappers=frozenset({"OptimizedModule", "GraphModule", type(self.model).__name__}))
                 rec["peak_bytes"] = mem.peak_bytes
                 rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
                                   "module": mem.module, "site": mem.site}

@@ -197,12 +197,15 @@ class MemoryPeak:
     profiler: Any = None
 
 
-def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module | None = None) -> MemoryPeak:
+def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module | None = None,
+                   wrappers: frozenset[str] = frozenset()) -> MemoryPeak:
     """Peak tensor bytes of one ``run()`` above what was live before, and the op that reached it.
 
     With ``model`` (a module that runs as written, not a compiled one), the module around the
     op is named by its path in ``model`` (e.g. ``h.0.attn``): the profiler numbers the
     instances of a class in the order they are first called, which hooks record during the call.
+    Without it, modules of the classes in ``wrappers`` (those that only run a compiled graph,
+    e.g. ``OptimizedModule`` and the model's own class) are not named.
     """
     import gc
 
@@ -262,7 +265,9 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
         result.op, result.shapes = outer.name(), [list(s) for s in outer.shapes() if s]
     result.alloc_bytes = int(at.nbytes())
     modules = [e for e in around if e.name().startswith("nn.Module: ")]
-    if modules and (model is not None or len(modules) > 1):  # the outermost alone says nothing: a compiled call
+    if model is None:  # a compiled or cached call: the wrappers around its graph say nothing about the op
+        modules = [e for e in modules if e.name()[len("nn.Module: "):].rpartition("_")[0] not in wrappers]
+    if modules:
         result.module = _module_path(max(modules, key=lambda e: e.start_ns()).name()[len("nn.Module: "):], called)
     sites = [e for e in around if e.name().startswith(SITE_PREFIX)]
     if sites:
