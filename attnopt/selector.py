@@ -26,9 +26,10 @@ Tuning one key (:meth:`Selector.tune`):
    turn (``a b c a b c``), synchronising the device around each call (CUDA events on GPU);
    the median per candidate. After the first round a candidate more than ``prune`` times
    slower than the best is not timed again (it cannot be within 5% of it).
-5. *Memory*: each candidate's peak tensor memory for one call (:func:`attnopt.measure.peak_memory`);
-   with a ``memory_budget`` candidates above it are rejected; if none fits, the one with the
-   lowest peak is kept and a warning says so.
+5. *Memory*: the peak tensor memory of one call (:func:`attnopt.measure.peak_memory`) of every
+   candidate still in the race after pruning (of all of them when a ``memory_budget`` rules out
+   every one of those); candidates above the budget are rejected; if none fits, the one with
+   the lowest peak is kept and a warning says so.
 6. *Keep* the fastest; store every timing in the :class:`~attnopt.tuning_cache.TuningCache`
    (on disk, keyed by attnopt/torch version, device and candidate set) so later processes
    skip tuning; under ``torch.distributed`` rank 0 tunes and broadcasts its choice
@@ -266,13 +267,21 @@ class Selector:
                 live = [n for n in live if samples[n][0] <= self.prune * best]
         for name, s in samples.items():
             timings[name] = statistics.median(s) * 1e3
-        for name in samples:
-            try:
-                peaks[name] = int(self.memory(name, runs.runner(name)))
-            except Exception as e:  # noqa: BLE001
-                rejected[name] = f"peak memory could not be measured: {_raised(e)}"
-                timings[name] = math.inf
-        ok = [n for n in samples if math.isfinite(timings[n])]
+
+        def measure(names_: list[str]) -> None:
+            for name in names_:
+                try:
+                    peaks[name] = int(self.memory(name, runs.runner(name)))
+                except Exception as e:  # noqa: BLE001
+                    rejected[name] = f"peak memory could not be measured: {_raised(e)}"
+                    timings[name] = math.inf
+
+        # Memory is measured for the candidates still in the race; the pruned ones only when a
+        # budget rules out every one of those.
+        measure(live)
+        if self.memory_budget is not None and not any(peaks.get(n, math.inf) <= self.memory_budget for n in live):
+            measure([n for n in samples if n not in live])
+        ok = [n for n in samples if math.isfinite(timings[n]) and n in peaks]
         if self.memory_budget is not None:
             fits = [n for n in ok if peaks.get(n, 0) <= self.memory_budget]
             for n in ok:
