@@ -9,8 +9,9 @@ dropout, head split/merge, layout, GQA, cross-attention, dtype, train/eval) and 
 * in training mode dropout p>0 is applied, p=0 changes nothing;
 * rewriting the rewritten graph finds nothing and changes nothing.
 
-Most examples run on the FX graph dynamo captures (``attnopt.rewrite(gm, example_inputs)``);
-a few go end to end through ``attnopt.optimize``. ``EXERCISED`` collects the axis choices seen;
+Most examples run on the FX graph dynamo captures (``attnopt.rewrite(gm, example_inputs,
+variant="sdpa")``: the matcher and the rewrite are under test, not the selector); a few go end
+to end through ``attnopt.optimize`` with the default ``variant="auto"``. ``EXERCISED`` collects the axis choices seen;
 the run's summary prints how many distinct combinations were exercised.
 """
 
@@ -33,8 +34,10 @@ import attnopt
 
 EXERCISED: dict[str, set[tuple]] = defaultdict(set)
 
-CAUSAL_MASKS = ("tril_float_eq0", "bool_where", "bool_fill_not", "runtime_ones_tril", "runtime_full_triu")
-PADDING_MASKS = ("arg_add_row", "arg_add_full", "arg_fill_min")
+CAUSAL_MASKS = ("tril_float_eq0", "bool_where", "bool_fill_not", "uint8_bool", "runtime_ones_tril",
+                "runtime_full_triu", "fill_inplace")
+PADDING_MASKS = ("arg_add_row", "arg_add_full", "arg_fill_min", "arg_fill_1e4", "arg_where_100")
+ADDED_MASKS = ("arg_add_row", "arg_add_full", "runtime_full_triu")  # a scale after these is refused
 
 QK_EINSUM = {
     4: ("bhqd,bhkd->bhqk", "b h i d, b h j d -> b h i j", "zyad,zycd->zyac", "...id,...jd->...ij",
@@ -45,7 +48,9 @@ PV_EINSUM = {4: ("bhqk,bhkd->bhqd", "b h i j, b h j d -> b h i d"), 3: ("bqk,bkd
 
 
 _PRODUCTS = {"at": lambda a, b: a @ b, "matmul": torch.matmul, "method": lambda a, b: a.matmul(b),
-             "bmm": torch.bmm}
+             "bmm": torch.bmm,
+             "baddbmm": lambda a, b: torch.baddbmm(torch.empty(a.size(0), a.size(1), b.size(2), dtype=a.dtype), a, b,
+                                                   beta=0)}
 
 
 def _product(spelling: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -58,12 +63,12 @@ class Spelling:
     """One point of the grammar: every axis of how attention is written."""
 
     layout: str  # "4d" [B, H, T, D] or "3d" [B*H, T, D]
-    product: str  # "at" | "matmul" | "method" | "bmm" | "einsum"
+    product: str  # "at" | "matmul" | "method" | "bmm" | "baddbmm" (empty input, beta=0) | "einsum"
     einsum_eq: str
     kt: str  # "t_neg" (-2, -1) | "t_pos" | "t_rev" | "permute" (K pre-transposed by the head split)
     pv: str  # "at" | "matmul" | "method" | "bmm" | "einsum"
     pv_eq: str
-    scale: str  # "mul" | "div" | "pow" | "full0d" | "on_q" | "none"
+    scale: str  # "mul" | "div" | "pow" | "full0d" | "on_q" | "none" | "mul_" | "idiv" | "after_mask"
     custom_scale: bool
     mask: str
     causal_align: str  # "top_left" | "bottom_right" (only when Tq != Tk)
@@ -73,6 +78,7 @@ class Spelling:
     split: str  # "view_transpose" | "permute" | "reshape_transpose"
     merge: str  # "transpose_contiguous_view" | "reshape" | "flatten"
     n_rep: int  # GQA group size, 1 = plain MHA
+    kv_repeat: str  # "repeat_kv" | "repeat_interleave" (interleaved heads) | "tiled" (repeat: head h reads h % Hkv)
     attn: str  # "self" | "cross" | "decode"
     dtype: str  # "fp32" | "bf16"
     B: int
@@ -95,7 +101,7 @@ class Spelling:
 def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Spelling:
     layout = draw(st.sampled_from(["4d", "3d"]))
     nd = 4 if layout == "4d" else 3
-    product = draw(st.sampled_from(["at", "matmul", "method", "einsum"] + (["bmm"] if nd == 3 else [])))
+    product = draw(st.sampled_from(["at", "matmul", "method", "einsum"] + (["bmm", "baddbmm"] if nd == 3 else [])))
     pv = draw(st.sampled_from(["at", "matmul", "method", "einsum"] + (["bmm"] if nd == 3 else [])))
     einsum_eq = draw(st.sampled_from(QK_EINSUM[nd])) if product == "einsum" else ""
     pv_eq = draw(st.sampled_from(PV_EINSUM[nd])) if pv == "einsum" else ""
@@ -115,18 +121,20 @@ def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Sp
     mask = draw(st.sampled_from(masks))
     causal_align = draw(st.sampled_from(["top_left", "bottom_right"])) if (mask in CAUSAL_MASKS and Tq != Tk) \
         else "top_left"
-    scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none"]))
-    custom_scale = draw(st.booleans()) if scale in ("mul", "div", "full0d", "on_q") else False
+    scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none", "mul_", "idiv"]
+                                 + (["after_mask"] if mask not in ADDED_MASKS else [])))
+    custom_scale = draw(st.booleans()) if scale in ("mul", "div", "full0d", "on_q", "after_mask") else False
     softmax = draw(st.sampled_from(["F", "F_dim_pos", "torch", "method", "module", "dtype_f32", "float_type_as"]))
     dropout = draw(st.sampled_from(["module", "functional", "none"]))
     p = draw(st.sampled_from([0.0, 0.25])) if dropout != "none" else 0.0
     split = draw(st.sampled_from(["view_transpose", "permute", "reshape_transpose"]))
     merge = draw(st.sampled_from(["transpose_contiguous_view", "reshape", "flatten"]))
     H = draw(st.sampled_from([2, 4])) if n_rep == 2 else draw(st.integers(1, 4))
+    kv_repeat = draw(st.sampled_from(["repeat_kv", "repeat_interleave", "tiled"])) if n_rep > 1 else "repeat_kv"
     return Spelling(
         layout=layout, product=product, einsum_eq=einsum_eq, kt=kt, pv=pv, pv_eq=pv_eq, scale=scale,
         custom_scale=custom_scale, mask=mask, causal_align=causal_align, softmax=softmax, dropout=dropout, p=p,
-        split=split, merge=merge, n_rep=n_rep, attn=attn, dtype=draw(st.sampled_from(dtypes)),
+        split=split, merge=merge, n_rep=n_rep, kv_repeat=kv_repeat, attn=attn, dtype=draw(st.sampled_from(dtypes)),
         B=draw(st.integers(1, 2)), H=H, Tq=Tq, Tk=Tk, D=draw(st.sampled_from([4, 8])),
     )
 
@@ -138,7 +146,7 @@ class GrammarAttention(nn.Module):
     self-attention); ``mask``: the padding mask argument for the ``arg_*`` masks, else unused.
     """
 
-    def __init__(self, s: Spelling):
+    def __init__(self, s: Spelling, lookalike: str = "none"):
         super().__init__()
         self.s = s
         c = s.H * s.D
@@ -154,8 +162,15 @@ class GrammarAttention(nn.Module):
             self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(*lead, n, n))
         elif s.mask in ("bool_where", "bool_fill_not"):
             self.register_buffer("bias", torch.ones(n, n, dtype=torch.bool).tril().view(*lead, n, n))
+        elif s.mask == "uint8_bool":
+            self.register_buffer("bias", torch.ones(n, n, dtype=torch.uint8).tril().view(*lead, n, n))
         if s.softmax == "module":
             self.softmax = nn.Softmax(dim=-1)
+        self.lookalike = lookalike  # a section F perturbation (test_lookalikes_are_never_rewritten)
+        if lookalike == "talking_heads":
+            self.mix = nn.Parameter(torch.eye(s.H) + 0.3 * torch.randn(s.H, s.H))
+        if lookalike == "sink":
+            self.sink = nn.Parameter(torch.randn(()))
         if s.dropout == "module":
             self.attn_dropout = nn.Dropout(s.p)
 
@@ -176,6 +191,10 @@ class GrammarAttention(nn.Module):
         if n == 1:
             return t
         B, hkv, T, D = t.shape
+        if self.s.kv_repeat == "repeat_interleave":
+            return t.repeat_interleave(n, dim=1)
+        if self.s.kv_repeat == "tiled":
+            return t.repeat(1, n, 1, 1)
         return t[:, :, None, :, :].expand(B, hkv, n, T, D).reshape(B, hkv * n, T, D)
 
     def _merge(self, y: torch.Tensor) -> torch.Tensor:  # (B, H, Tq, D) -> (B, Tq, C)
@@ -221,7 +240,16 @@ class GrammarAttention(nn.Module):
             return att * s.D ** -0.5
         if s.scale == "full0d":
             return att / torch.full([], 1.0 / c if s.custom_scale else s.D ** 0.5)
+        if s.scale == "mul_":
+            att.mul_(c)
+            return att
+        if s.scale == "idiv":
+            att /= math.sqrt(s.D)
+            return att
         return att
+
+    def _scale_after_mask(self, att: torch.Tensor) -> torch.Tensor:
+        return att * self.scale_value if self.s.scale == "after_mask" else att
 
     def _mask(self, att: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         s = self.s
@@ -233,6 +261,12 @@ class GrammarAttention(nn.Module):
             return torch.where(self.bias[..., r0:r0 + tq, :tk], att, float("-inf"))
         if s.mask == "bool_fill_not":
             return att.masked_fill(~self.bias[..., r0:r0 + tq, :tk], float("-inf"))
+        if s.mask == "uint8_bool":
+            return att.masked_fill(~self.bias[..., r0:r0 + tq, :tk].bool(), float("-inf"))
+        if s.mask == "fill_inplace":
+            keep = torch.ones(tq, tk, dtype=torch.bool, device=att.device).tril(r0)
+            att.masked_fill_(~keep, float("-inf"))
+            return att
         if s.mask == "runtime_ones_tril":
             keep = torch.ones(tq, tk, dtype=torch.bool, device=att.device).tril(r0)
             return att.masked_fill(~keep, float("-inf"))
@@ -242,6 +276,10 @@ class GrammarAttention(nn.Module):
             return att + mask
         if s.mask == "arg_fill_min":
             return att.masked_fill(mask, torch.finfo(att.dtype).min)
+        if s.mask == "arg_fill_1e4":
+            return att.masked_fill(mask, -1e4)
+        if s.mask == "arg_where_100":
+            return torch.where(mask, -100.0, att)
         return att
 
     def _softmax(self, att: torch.Tensor) -> torch.Tensor:
@@ -283,25 +321,42 @@ class GrammarAttention(nn.Module):
             v = v.reshape(B * s.H, *v.shape[2:])
         att = self._scores(q, k)  # (.., Tq, Tk)
         att = self._scale(att)
+        look = self.lookalike
+        if look == "talking_heads":  # heads mixed between the product and the softmax
+            att = torch.einsum("bhqk,hg->bgqk", att, self.mix)
         att = self._mask(att, mask)
-        att = self._softmax(att)
+        att = self._scale_after_mask(att)
+        scores = att
+        if look == "sink":  # an extra logit column (attention sink), dropped after the softmax
+            att = torch.cat([att, self.sink.expand(*att.shape[:-1], 1)], dim=-1)
+        att = F.softmax(att, dim=-2) if look == "softmax_queries" else self._softmax(att)
+        if look == "sink":
+            att = att[..., :-1]
+        if look == "mask_after_softmax":
+            att = att * torch.ones(att.shape[-2:], dtype=att.dtype).tril(att.size(-1) - att.size(-2))
+        probs = att
         att = self._dropout(att)
         y = self._pv(att, v)  # (.., Tq, D)
         y = y.reshape(B, s.H, Tq, s.D)
-        return self.o_proj(self._merge(y))
+        out = self.o_proj(self._merge(y))
+        if look == "probs_returned":
+            return out, probs
+        if look == "scores_returned":
+            return out, scores
+        return out
 
 
-def make_case(s: Spelling) -> tuple[GrammarAttention, tuple[torch.Tensor, ...]]:
+def make_case(s: Spelling, lookalike: str = "none") -> tuple[GrammarAttention, tuple[torch.Tensor, ...]]:
     """The module (in the spelling's dtype) and its inputs ``(x, kv, mask)``; seeded by the spelling."""
     torch.manual_seed(zlib.crc32(repr(s).encode()))  # the same example gives the same tensors when replayed
     dtype = s.torch_dtype
-    model = GrammarAttention(s).to(dtype)
+    model = GrammarAttention(s, lookalike).to(dtype)
     c = s.H * s.D
     x = torch.randn(s.B, s.Tq, c, dtype=dtype)
     kv = x if s.attn == "self" else torch.randn(s.B, s.Tk, c, dtype=dtype)
     nb = s.B if s.layout == "4d" else s.B * s.H
     lead = (nb, 1) if s.layout == "4d" else (nb,)
-    rows = 1 if s.mask in ("arg_add_row", "arg_fill_min") else s.Tq
+    rows = 1 if s.mask in ("arg_add_row", "arg_fill_min", "arg_where_100") else s.Tq
     masked = torch.rand(*lead, rows, s.Tk) < 0.4
     masked[..., 0] = False  # key 0 is always visible: no fully masked rows here (see test_negative)
     if s.mask in ("arg_add_row", "arg_add_full"):
@@ -362,14 +417,16 @@ def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
     model, inputs = make_case(s)
     model.eval()
     gm, ex = capture(model, *inputs)
-    new = attnopt.rewrite(gm, ex)
+    new = attnopt.rewrite(gm, ex, variant="sdpa")
     assert_rewritten_once(new)
     spec = new.meta["attnopt_report"].records[0].spec
     assert spec.dropout_p == 0.0 or spec.dropout_mode != "on"
     if s.mask in CAUSAL_MASKS:
         assert spec.causal == s.causal_align, f"{s.mask} {s.causal_align}: {spec.describe()}"
     if s.n_rep > 1:
-        assert spec.gqa, spec.describe()
+        assert spec.gqa == (s.kv_repeat != "tiled"), spec.describe()  # tiled heads are not enable_gqa's mapping
+    if s.mask in ("arg_fill_1e4", "arg_where_100"):
+        assert spec.fill_value is not None, spec.describe()
 
     with torch.no_grad():
         expected = first(model(*inputs))
@@ -387,16 +444,39 @@ def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
         assert_grad_close(a, b, s, f"gradient of graph input {i}", scale)
 
     # idempotence: a rewritten graph has no site left and is left exactly as it is
-    again = attnopt.rewrite(new, ex)
+    again = attnopt.rewrite(new, ex, variant="sdpa")
     assert again.meta["attnopt_report"].rewritten == 0
     assert len(again.meta["attnopt_report"].records) == 0
     assert again.code == new.code
 
 
+# ----------------------------------------------------------------------------- section F: look-alikes
+
+LOOKALIKES = ("talking_heads", "sink", "softmax_queries", "mask_after_softmax", "probs_returned", "scores_returned")
+
+
+@given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.layout == "4d" and s.Tq > 1),
+       look=st.sampled_from(LOOKALIKES))
+@settings(max_examples=settings().max_examples * 2)
+def test_lookalikes_are_never_rewritten(s: Spelling, look: str) -> None:
+    """Any spelling of the grammar, perturbed into a section F look-alike: left as written, and explained."""
+    EXERCISED["look-alikes"].add((*s.axes(), look))
+    model, inputs = make_case(s, look)
+    model.eval()
+    gm, ex = capture(model, *inputs)
+    new = attnopt.rewrite(gm, ex, variant="sdpa")
+    report = new.meta["attnopt_report"]
+    assert report.rewritten == 0, f"{look}: {report}"
+    assert all(r.reason for r in report.records), str(report)
+    with torch.no_grad():
+        for a, b in zip(new(*ex), gm(*ex)):
+            assert torch.equal(a, b), look
+
+
 # ----------------------------------------------------------------------------- train mode: dropout
 
 
-@given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.dropout != "none"))
+@given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.dropout != "none" and s.B * s.H * s.Tq * s.Tk >= 8))
 @settings(max_examples=settings().max_examples * 2)
 def test_grammar_train_dropout(s: Spelling) -> None:
     EXERCISED["fx train"].add(s.axes())
@@ -405,7 +485,7 @@ def test_grammar_train_dropout(s: Spelling) -> None:
         eval_out = first(model.eval()(*inputs))
     model.train()
     gm, ex = capture(model, *inputs)
-    new = attnopt.rewrite(gm, ex)
+    new = attnopt.rewrite(gm, ex, variant="sdpa")
     assert_rewritten_once(new)
     spec = new.meta["attnopt_report"].records[0].spec
     with torch.no_grad():
@@ -413,9 +493,9 @@ def test_grammar_train_dropout(s: Spelling) -> None:
     assert torch.isfinite(train_out).all()
     if s.p > 0:
         assert spec.dropout_p == s.p and spec.dropout_mode != "off", spec.describe()
-        # Tk == 1 leaves nothing to drop but the single key itself; p=0.25 drops some of B*H*Tq*Tk probabilities
+        # p=0.25 drops some of the B*H*Tq*Tk >= 8 probabilities
         assert not torch.allclose(train_out, eval_out, atol=1e-4), "dropout was not applied in training mode"
-        outs = {first(new(*ex)).sum().item() for _ in range(3)}
+        outs = {first(new(*ex)).sum().item() for _ in range(5)}  # >= 8 probabilities: masks differ
         assert len(outs) > 1, "dropout draws the same mask every call"
     else:
         assert spec.dropout_p == 0.0
@@ -455,7 +535,7 @@ def test_end_to_end_parameter_grads_match() -> None:
     s = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv_eq="", scale="mul",
                  custom_scale=False, mask="tril_float_eq0", causal_align="top_left", softmax="F",
                  dropout="module", p=0.1, split="view_transpose", merge="transpose_contiguous_view", n_rep=2,
-                 attn="self", dtype="fp32", B=2, H=4, Tq=7, Tk=7, D=8)
+                 kv_repeat="repeat_kv", attn="self", dtype="fp32", B=2, H=4, Tq=7, Tk=7, D=8)
     model, inputs = make_case(s)
     model.eval()
     opt = attnopt.optimize(model)
@@ -474,12 +554,13 @@ def test_single_query_decode(align: str) -> None:
     """Tq == 1 against a longer key sequence with a sliced causal buffer: exact either way."""
     s = Spelling(layout="4d", product="matmul", einsum_eq="", kt="t_pos", pv="matmul", pv_eq="", scale="div",
                  custom_scale=False, mask="tril_float_eq0", causal_align=align, softmax="F", dropout="none",
-                 p=0.0, split="view_transpose", merge="transpose_contiguous_view", n_rep=1, attn="decode",
+                 p=0.0, split="view_transpose", merge="transpose_contiguous_view", n_rep=1, kv_repeat="repeat_kv",
+                 attn="decode",
                  dtype="fp32", B=2, H=2, Tq=1, Tk=9, D=8)
     model, inputs = make_case(s)
     model.eval()
     gm, ex = capture(model, *inputs)
-    new = attnopt.rewrite(gm, ex)
+    new = attnopt.rewrite(gm, ex, variant="sdpa")
     assert_rewritten_once(new)
     assert new.meta["attnopt_report"].records[0].spec.causal == align
     with torch.no_grad():
@@ -490,8 +571,8 @@ def test_single_query_decode(align: str) -> None:
 
 BASE = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv_eq="", scale="mul",
                 custom_scale=False, mask="none", causal_align="top_left", softmax="F", dropout="none", p=0.0,
-                split="view_transpose", merge="transpose_contiguous_view", n_rep=1, attn="self", dtype="fp32",
-                B=1, H=1, Tq=2, Tk=2, D=4)
+                split="view_transpose", merge="transpose_contiguous_view", n_rep=1, kv_repeat="repeat_kv",
+                attn="self", dtype="fp32", B=1, H=1, Tq=2, Tk=2, D=4)
 
 
 @pytest.mark.parametrize("changes", [
