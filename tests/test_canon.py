@@ -320,3 +320,66 @@ def test_parse_einsum_valid(eq: str, form) -> None:
 ])
 def test_parse_einsum_invalid(eq: str) -> None:
     assert parse_einsum_product(eq) is None
+
+
+# ----------------------------------------------------------------------------- baddbmm, unary, kv repeats, in place
+
+
+@pytest.mark.parametrize("fn, beta, alpha", [
+    (lambda b, q, kt: torch.baddbmm(b, q, kt), 1, 1),
+    (lambda b, q, kt: torch.baddbmm(b, q, kt, beta=0, alpha=0.5), 0, 0.5),
+    (lambda b, q, kt: b.baddbmm(batch1=q, batch2=kt, alpha=0.25), 1, 0.25),
+])
+def test_baddbmm_spellings_read_with_input_beta_alpha(fn, beta, alpha) -> None:
+    q, kt = Q.flatten(0, 1), K.flatten(0, 1).transpose(1, 2)
+    gm, (node,) = returned(lambda b, q, kt: (fn(b, q, kt),), torch.randn(6, 5, 7), q, kt)
+    op = read(node, gm)
+    b, q_, kt_ = placeholders(gm)
+    assert op.kind == "baddbmm" and op.args == (b, q_, kt_, beta, alpha)
+
+
+def test_tanh_reads_as_unary_and_repeat_interleave_with_normalised_dim() -> None:
+    ops = read_returned(lambda s: (torch.tanh(s), s.tanh(), s.repeat_interleave(2, dim=-3)), S)
+    assert [o.kind for o in ops] == ["unary", "unary", "repeat_interleave"]
+    assert ops[0].args[1] == "tanh" and ops[2].args[1:] == (2, 1)
+
+
+def test_inplace_methods_read_as_their_functional_kind() -> None:
+    def f(s, m):
+        a = s * 1.0
+        return a.mul_(2.0), (s + 0).div_(3.0), (s * 1).masked_fill_(m, 0.0)
+
+    ops = read_returned(f, S, torch.rand(5, 7) < 0.5)
+    assert [o.kind for o in ops] == ["scale", "scale", "masked_fill"]
+    assert ops[0].args[1:] == (2.0, "mul") and ops[1].args[1:] == (3.0, "div")
+
+
+def test_functionalize_inplace_points_later_uses_at_the_inplace_node() -> None:
+    from attnopt.canon import functionalize_inplace
+
+    def f(q, k):
+        s = q @ k.transpose(-2, -1)
+        s.div_(8.0)  # result unused: later code reads `s`
+        return s.softmax(-1)
+
+    gm = dynamo_graph(f, Q, K)
+    (div,) = [n for n in gm.graph.nodes if n.target == "div_"]
+    (sm,) = [n for n in gm.graph.nodes if n.target == "softmax"]
+    assert sm.args[0] is not div
+    assert functionalize_inplace(gm) == 1
+    assert sm.args[0] is div
+    args = [Q if n.name == "l_q_" else K for n in gm.graph.nodes if n.op == "placeholder"]  # graph order
+    torch.testing.assert_close(gm(*args)[0], f(Q, K))
+
+
+def test_functionalize_inplace_leaves_tensors_read_before_the_mutation() -> None:
+    from attnopt.canon import functionalize_inplace
+
+    def f(q, k):
+        s = q @ k.transpose(-2, -1)
+        view = s[0]  # a view taken before the in-place op sees the mutation
+        s.mul_(2.0)
+        return s.softmax(-1), view
+
+    gm = dynamo_graph(f, Q, K)
+    assert functionalize_inplace(gm) == 0

@@ -363,3 +363,40 @@ def test_triangular_parameter_is_not_replaced_by_is_causal() -> None:
     assert CALLS[-1]["attn_mask"] is not None
     torch.testing.assert_close(g_new, model.bias.grad, atol=1e-5, rtol=1e-4)
     assert g_new.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- finite fills
+
+
+class FiniteFill(nn.Module):
+    def __init__(self, fill: float, also_inf: bool = False):
+        super().__init__()
+        self.fill, self.also_inf = fill, also_inf
+
+    def forward(self, q, k, v, masked):
+        att = (q @ k.transpose(-2, -1)) * 0.25
+        att = att.masked_fill(masked, self.fill)
+        if self.also_inf:
+            att = att.masked_fill(torch.eye(att.size(-1), dtype=torch.bool), float("-inf"))
+        return F.softmax(att, -1) @ v
+
+
+def test_finite_fill_plan_passes_the_dtype_minimum_and_checks_a_bound() -> None:
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    masked = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    plan = plan_of(FiniteFill(-1e4), q, k, v, masked)
+    assert plan.kind == "additive" and plan.bound_fill == -1e4 and plan.min_rows == "mean"
+    assert plan.causal is None  # the bound is checked on the mask tensor's call, never is_causal
+    gm, ex, new = rewritten(FiniteFill(-1e4), q, k, v, masked)
+    torch.testing.assert_close(call(new, ex), call(gm, ex), atol=1e-5, rtol=1e-4)
+    (kwargs,) = CALLS
+    mask = kwargs["attn_mask"]
+    assert not kwargs["is_causal"] and mask.dtype == torch.float32
+    assert torch.equal(mask == torch.finfo(torch.float32).min, masked.expand_as(mask))
+
+
+def test_finite_fill_with_other_masks_is_refused() -> None:
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    report = attnopt.explain(FiniteFill(-1e4, also_inf=True), q, k, v, torch.ones(5, 5, dtype=torch.bool).triu(1),
+                             variant="spy")
+    assert report.rewritten == 0 and "rewritten only alone" in report.records[0].reason
