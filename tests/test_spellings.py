@@ -221,6 +221,34 @@ def test_scale_after_the_mask(fill: str) -> None:
         assert spec.fill_value == pytest.approx(torch.finfo(torch.float32).min / math.sqrt(D), rel=1e-6)
 
 
+@pytest.mark.parametrize("form", ["mul", "div", "mul_left"])
+def test_per_head_learned_temperature_is_folded_into_q(form: str) -> None:
+    """``scores * temperature[1, H, 1, 1]`` (section G): exact as ``(q * t) @ k^T``; gradients reach t."""
+    q, k, v = qkv()
+
+    def fn(m, q, k, v):
+        att = q @ k.transpose(-2, -1)
+        if form == "mul":
+            att = att * m.temp
+        elif form == "div":
+            att = att / m.temp
+        else:
+            att = m.temp * att
+        att = att.masked_fill(~causal_keep(), float("-inf"))
+        return att.softmax(-1) @ v
+
+    model = Fn(fn, temp=torch.rand(1, H, 1, 1) + 0.5)
+    report = rewrite_and_check(model, q, k, v)
+    assert spec_of(report).causal == "top_left" and spec_of(report).scale == 1.0
+
+
+def test_per_query_factor_is_not_a_scale() -> None:
+    q, k, v = qkv()
+    model = Fn(lambda m, q, k, v: (q @ k.transpose(-2, -1) * m.w).softmax(-1) @ v, w=torch.rand(1, H, T, 1))
+    report = attnopt.explain(model, q, k, v, variant="sdpa")
+    assert report.rewritten == 0, str(report)
+
+
 def test_scale_after_an_added_mask_is_left_alone_with_reason() -> None:
     q, k, v = qkv()
     model = Fn(lambda m, q, k, v: F.softmax((q @ k.transpose(-2, -1) + m.bias) * 0.3, -1) @ v,

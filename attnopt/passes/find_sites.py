@@ -308,8 +308,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             mods.append(("mul", c))
             continue
         if value is None:
-            if isinstance(factor, fx.Node) and is_zero_dim_tensor(factor):
-                scale_tensors.append((factor, how))
+            if isinstance(factor, fx.Node) and (is_zero_dim_tensor(factor) or _per_row_block_factor(factor, q)):
+                scale_tensors.append((factor, how))  # folded into q, so gradients still reach it
                 continue
             if is_scalar(factor):  # a number only known at run time (e.g. a float module attribute)
                 scale_nodes.append((factor, how))
@@ -437,6 +437,14 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         chain.append(("scale", (factor, how)))
         record.spelling.append(op.spelling)
         return x
+    if k in ("mul", "div"):
+        # a per-head (per-batch) factor such as a learned temperature of shape [1, H, 1, 1]
+        for x, factor in ((op.args[0], op.args[1]), (op.args[1], op.args[0]) if k == "mul" else (None, None)):
+            if isinstance(x, fx.Node) and _per_row_block_factor(factor, node) and _same_shape(x, node):
+                chain.append(("scale", (factor, k)))
+                record.spelling.append(f"{op.spelling} per-head factor")
+                return x
+        return None
     if k in ("cast", "identity"):
         record.spelling.append(op.spelling)
         return op.args[0]
@@ -478,6 +486,21 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
                 return s
         raise NearMiss("an addition between product and softmax has no score operand")
     return None
+
+
+def _per_row_block_factor(factor: Any, scores: fx.Node) -> bool:
+    """``factor`` is a floating tensor constant over each (query, key) block of ``scores``.
+
+    Its shape has 1 in the last two dims and, aligned right, 1 or the scores' size elsewhere,
+    so ``scores * factor`` keeps the scores' shape and equals ``(q * factor) @ k^T``.
+    """
+    fs, ss = shape_of(factor), shape_of(scores)
+    dt = dtype_of(factor)
+    if not isinstance(factor, fx.Node) or fs is None or ss is None or len(fs) < 2 or len(fs) > len(ss):
+        return False
+    if dt is None or dt != dtype_of(scores) or not (_same(fs[-1], 1) and _same(fs[-2], 1)):
+        return False  # (a factor of another dtype would promote the scores)
+    return all(_same(a, 1) or _same(a, b) for a, b in zip(reversed(fs), reversed(ss)))
 
 
 def _baddbmm_terms(op: Op, chain: list[tuple[str, Any]], record: SiteRecord) -> None:
