@@ -7,5 +7,4 @@ Kernels must be exact: outputs and gradients equal to ``reference_attention`` wi
 dtype's tolerance, on every input their ``supports`` accepts.
 """
 
-from . import tiled  # noqa: F401
-from . import flex  # noqa: F401
+from . import flex, tiled  # noqa: F401
