@@ -383,16 +383,46 @@ class FiniteFill(nn.Module):
 
 def test_finite_fill_plan_passes_the_dtype_minimum_and_checks_a_bound() -> None:
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
-    masked = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    masked = torch.rand(1, 1, 5, 5) < 0.4
+    masked[..., 0] = False
     plan = plan_of(FiniteFill(-1e4), q, k, v, masked)
     assert plan.kind == "additive" and plan.bound_fill == -1e4 and plan.min_rows == "mean"
-    assert plan.causal is None  # the bound is checked on the mask tensor's call, never is_causal
+    assert plan.causal is None
     gm, ex, new = rewritten(FiniteFill(-1e4), q, k, v, masked)
     torch.testing.assert_close(call(new, ex), call(gm, ex), atol=1e-5, rtol=1e-4)
     (kwargs,) = CALLS
     mask = kwargs["attn_mask"]
     assert not kwargs["is_causal"] and mask.dtype == torch.float32
     assert torch.equal(mask == torch.finfo(torch.float32).min, masked.expand_as(mask))
+
+
+class LegacyGPT2(nn.Module):
+    """Early Hugging Face GPT-2: ``w * b + -1e4 * (1 - b)`` written as ``where(tril, w, -1e4)``."""
+
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n))
+
+    def forward(self, q, k, v):
+        w = (q @ k.transpose(-2, -1)) / math.sqrt(v.size(-1))
+        tq, tk = w.shape[-2:]
+        w = torch.where(self.bias[:, :, tk - tq:tk, :tk], w, -1e4)
+        return F.softmax(w, dim=-1) @ v
+
+
+@pytest.mark.parametrize("big_scores", [False, True])
+def test_finite_fill_with_a_causal_buffer_uses_is_causal_while_the_bound_holds(big_scores: bool) -> None:
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    if big_scores:  # scores near -1e4: the fill is not negligible and the site computes it as written
+        q, k = torch.full_like(q, 100.0), torch.full_like(k, -50.0)
+    model = LegacyGPT2()
+    plan = plan_of(model, q, k, v)
+    assert plan.bound_fill == -1e4 and plan.causal == "top_left"
+    gm, ex, new = rewritten(model, q, k, v)
+    torch.testing.assert_close(call(new, ex), call(gm, ex), atol=1e-5, rtol=1e-4)
+    assert len(CALLS) == (0 if big_scores else 1)  # the candidate runs only under the bound
+    if not big_scores:
+        assert CALLS[0]["is_causal"] and CALLS[0]["attn_mask"] is None
 
 
 def test_finite_fill_with_other_masks_is_refused() -> None:

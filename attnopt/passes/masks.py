@@ -224,6 +224,8 @@ def _bounded_fill_plan(terms: list[Any], finite: list[Fill], score_dtype: torch.
     (Cauchy-Schwarz bounds every score). The plan passes the dtype's minimum at the masked
     positions (rows with every key masked then become the mean of v, exactly as written) and the
     site checks the bound on every call, computing the fill as written when it does not hold.
+    A causal pattern is still proven (``plan_mask``), so a legacy ``masked_fill(~tril, -1e4)``
+    runs with ``is_causal`` whenever the bound holds.
     Only fills of one value with no added masks are planned (mixed values change which keys a
     fully masked row averages).
     """
@@ -235,7 +237,7 @@ def _bounded_fill_plan(terms: list[Any], finite: list[Fill], score_dtype: torch.
     (value,) = values
     if not math.isfinite(value) or value > -1.0:
         return (f"the mask fills scores with {value!r}, which does not suppress the masked keys; left as written")
-    plan = MaskPlan("additive", list(terms), min_rows="mean", bound_fill=value)
+    plan = MaskPlan("additive", list(terms), bound_fill=value)  # min_rows: set with the causal proof
     plan.fill_spelling = f"{value:g}"
     return plan
 
@@ -256,11 +258,15 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
             return f"the mask condition has dtype {dtype_of(f.cond)}, not torch.bool"
     finite = [f for f in fills if _neg_large(f.value, f.dtype or score_dtype) is None]
     if finite:
-        return _bounded_fill_plan(terms, finite, score_dtype)
-    all_inf_fills = all(isinstance(t, Fill) and t.value == -math.inf for t in terms)
-    plan = MaskPlan("bool" if all_inf_fills else "additive", list(terms))
-    plan.fill_spelling = ", ".join("-inf" if isinstance(t, Fill) and t.value == -math.inf else
-                                   "dtype min" if isinstance(t, Fill) else "added" for t in terms)
+        bounded = _bounded_fill_plan(terms, finite, score_dtype)
+        if isinstance(bounded, str):
+            return bounded
+        plan = bounded
+    else:
+        all_inf_fills = all(isinstance(t, Fill) and t.value == -math.inf for t in terms)
+        plan = MaskPlan("bool" if all_inf_fills else "additive", list(terms))
+        plan.fill_spelling = ", ".join("-inf" if isinstance(t, Fill) and t.value == -math.inf else
+                                       "dtype min" if isinstance(t, Fill) else "added" for t in terms)
 
     # Causal proof: exactly one term whose keep-pattern is a lower band over (tq, tk).
     if len(terms) == 1:

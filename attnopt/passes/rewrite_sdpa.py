@@ -210,9 +210,13 @@ def fill_is_negligible(q: torch.Tensor, k: torch.Tensor, scale: float, fill: flo
 def _filled_as_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fill: float, *,
                        attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
                        enable_gqa: bool, **_: object) -> torch.Tensor:
-    """``softmax(scale * q @ k^T masked_fill(fill)) @ v`` with the masked positions read from ``attn_mask``."""
-    assert attn_mask is not None and not is_causal
-    masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+    """``softmax(scale * q @ k^T masked_fill(fill)) @ v``; masked where ``attn_mask`` holds the dtype's
+    minimum, or above the diagonal for a proven top-left causal mask (``is_causal``)."""
+    if is_causal:
+        masked = ~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    else:
+        assert attn_mask is not None
+        masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
 
     def mod(score, b, h, qi, ki):
         return score.masked_fill(masked, fill)
