@@ -89,12 +89,12 @@ class AttentionSpec:
 
     def describe(self) -> str:
         parts = [f"scale={self.scale:.6g}" + (" x run-time value" if self.runtime_scale else "")]
+        if self.causal:
+            parts.append(f"causal ({self.causal.replace('_', '-')})")
+        elif self.mask != "none" and self.fill_value is None:
+            parts.append(f"{self.mask} mask")
         if self.fill_value is not None:
             parts.append(f"mask filled with {self.fill_value:g} (bounded)")
-        elif self.causal:
-            parts.append(f"causal ({self.causal.replace('_', '-')})")
-        elif self.mask != "none":
-            parts.append(f"{self.mask} mask")
         if self.dropout_mode != "off":
             parts.append("dropout p=run-time value" if self.runtime_dropout else f"dropout p={self.dropout_p:g}")
         if self.gqa:
