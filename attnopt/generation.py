@@ -59,6 +59,7 @@ from .passes.masks import Add
 from .passes.positions import PositionError, PositionPlan, analyse_positions, offset_positions
 from .passes.rewrite_sdpa import rewrite_sites
 from .runtime import AttentionSite
+from .selector import Selector
 from .site import AttentionSpec
 
 aten = torch.ops.aten
@@ -75,7 +76,8 @@ class KVCacheAttention(nn.Module):
     offset 0 with ``max_len`` positions.
     """
 
-    def __init__(self, name: str, spec: AttentionSpec, max_len: int, where: str = ""):
+    def __init__(self, name: str, spec: AttentionSpec, max_len: int, where: str = "", candidate: str = "sdpa",
+                 selector: Any = None):
         super().__init__()
         self.site_name = name
         self.spec = spec
@@ -83,9 +85,12 @@ class KVCacheAttention(nn.Module):
         self.where = where
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # The candidate choice (and, for "auto", the selector's per-shape tuning) is AttentionSite's.
+        self.chooser = AttentionSite(name, spec, candidate, where=where)
+        self.chooser.selector = selector
 
     def extra_repr(self) -> str:
-        return f"{self.site_name}: max_len={self.max_len}, {self.spec.describe()}"
+        return f"{self.site_name}: max_len={self.max_len}, {self.chooser.candidate}, {self.spec.describe()}"
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = None
@@ -113,9 +118,10 @@ class KVCacheAttention(nn.Module):
         mask = None
         if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
             mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        out = get_candidate("sdpa")(
-            q, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=t > 1 and t == end,
-            scale=self.spec.scale if scale is None else float(scale), enable_gqa=self.spec.gqa)
+        kwargs = dict(attn_mask=mask, dropout_p=0.0, is_causal=t > 1 and t == end,
+                      scale=self.spec.scale if scale is None else float(scale), enable_gqa=self.spec.gqa)
+        with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
+            out = get_candidate(self.chooser._choice(q, keys, values, kwargs))(q, keys, values, **kwargs)
         if lead:
             out = out.reshape(out.shape[lead:])
         if self.spec.out_dtype is not None and out.dtype != self.spec.out_dtype:
@@ -302,7 +308,7 @@ class CachedLM:
 # ----------------------------------------------------------------------------- building
 
 
-def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
+def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa") -> CachedLM:
     """Capture ``model`` (a causal LM, ``forward(idx) -> logits (B, T, vocab)``) and build its cached version.
 
     Args:
@@ -311,6 +317,10 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
         max_len: positions the caches hold. Default: the model's maximum positions when they can be
             found (``config.block_size``/``max_position_embeddings``/..., position tables, length checks
             in ``forward``). A value beyond a position table or check of the model is refused.
+        variant: the candidate that attends to the cache: ``"sdpa"`` (default), any registered
+            candidate, or ``"auto"``: the selector times the legal candidates for the prefill and
+            decode shapes (per power-of-two bucket of the cached length; the tuning cache on disk
+            makes later runs free) and keeps the fastest.
 
     Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
     ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not.
@@ -322,6 +332,9 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
         raise TypeError(f"attnopt.generation.cached expects a torch.nn.Module, got {type(model).__name__}")
     if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
         raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    if variant != "auto":
+        get_candidate(variant)  # a clear error for an unknown name
+    selector = Selector() if variant == "auto" else None
     declared = _config_max(model)
     example_len = 4 if declared is None else max(2, min(4, declared))
     gm, tokens, ep = _capture(model, example_len)
@@ -352,7 +365,7 @@ def cached(model: nn.Module, max_len: int | None = None) -> CachedLM:
             continue
         old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
         q, k, v, _mask, scale = node.args[:5]
-        site = KVCacheAttention(old.site_name, old.spec, 1, old.where)
+        site = KVCacheAttention(old.site_name, old.spec, 1, old.where, variant, selector)
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)
         with graph.inserting_before(node):
@@ -597,12 +610,13 @@ def generate_plain(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, 
 
 def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
-             max_len: int | None = None) -> torch.Tensor:
+             max_len: int | None = None, variant: str = "sdpa") -> torch.Tensor:
     """Generate ``max_new_tokens`` tokens after ``idx`` ``(B, T0)`` with a KV cache; returns ``(B, T0 + N)``.
 
     Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
     ``temperature``, keep the ``top_k`` largest, sample with ``generator``). ``model`` is a causal LM
     (see :func:`cached`) or a :class:`CachedLM` built before (capture takes seconds; reuse it).
+    ``variant`` picks the candidate that attends to the cache (see :func:`cached`).
 
     Raises:
         PositionError: the model cannot be cached exactly (the message names the op and line).
@@ -616,7 +630,7 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
                              "build another with attnopt.generation.cached(model, max_len=...)")
         lm = model
     else:
-        lm = cached(model, max_len=max_len)
+        lm = cached(model, max_len=max_len, variant=variant)
     _check_total(idx, max_new_tokens, lm.max_len)
     if max_new_tokens == 0:
         return idx

@@ -96,6 +96,20 @@ def test_seeded_sampling_equals_the_plain_loop(lm):
     assert not torch.equal(ref, other)  # the samples do depend on the generator
 
 
+def test_auto_variant_tunes_prefill_and_decode_shapes_and_keeps_the_tokens():
+    model = _nanogpt()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c = cached(model, variant="auto")
+    assert torch.equal(generate(c, idx, 6), generate_plain(model, idx, 6))
+    keys = [k for s in c.sites for k in s.chooser.tuning]
+    assert {k.tq for k in keys} == {8, 1}  # the prefill (5 -> bucket 8) and the one-token steps
+    assert all(e.choice in e.timings_ms for s in c.sites for e in s.chooser.tuning.values())
+    m = cached(model, variant="math")
+    assert torch.equal(generate(m, idx, 6), generate_plain(model, idx, 6))
+    with pytest.raises(ValueError, match="unknown candidate 'fastest'"):
+        cached(model, variant="fastest")
+
+
 def test_generate_from_a_module_and_batch_of_one():
     model = _llama(rope_tables=False)  # rotary angles computed from arange(T) in forward
     idx = torch.randint(0, VOCAB, (1, 6))
