@@ -23,8 +23,8 @@ For every point (batch size x sequence length x phase), in order:
 
 Phases: ``prefill`` is one forward over T tokens. ``decode`` (causal LMs whose input is one
 ``(B, T)`` token tensor) is one new token against a context of T: with
-``attnopt.generation.cached`` when it is importable and accepts the model (prefill untimed,
-then one timed ``step``), otherwise a full forward over T + 1 tokens; the record says which
+``attnopt.generation.cached(model, variant=<the variant>)`` when it accepts the model (prefill
+untimed, then one timed ``step``), otherwise a full forward over T + 1 tokens; the record says which
 (``decode_method``) and why (``decode_note``). The eager variant always recomputes: the model
 as written has no cache.
 
@@ -37,7 +37,6 @@ table and a summary in words.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import platform
 import sys
@@ -331,18 +330,8 @@ class _Session:
         cached, why = _generation()
         if cached is None:
             return None, why or ""
-        kwargs: dict[str, Any] = {}
         try:
-            params = inspect.signature(cached).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "variant" in params:
-            kwargs["variant"] = variant
-        elif variant != "auto":
-            return None, (f"attnopt.generation.cached takes no variant, so it does not run {variant!r}; "
-                          "its cache is measured as variant 'auto'")
-        try:
-            c = cached(self.model, max_len=t + 1, **kwargs)
+            c = cached(self.model, max_len=t + 1, variant=variant)
         except Exception as e:  # noqa: BLE001 - it refuses models it cannot cache exactly
             return None, f"attnopt.generation.cached refused the model: {type(e).__name__}: {e}"
         context, new = idx[:, :t], idx[:, t:]

@@ -192,7 +192,7 @@ def test_interrupted_sweep_leaves_a_valid_partial_report(factory, tmp_path, monk
 def test_decode_falls_back_to_full_recompute_when_the_cache_refuses(factory, monkeypatch):
     import attnopt
 
-    def refuse(model, max_len=None):
+    def refuse(model, max_len=None, variant="sdpa"):
         raise ValueError("cumsum over time at model.py:3")
 
     monkeypatch.setattr(profile_module, "_generation", lambda: (refuse, None))
@@ -210,16 +210,16 @@ def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, mo
     seen = []
 
     class FakeCache:  # full recompute behind the cached interface: checks the calls the profiler makes
-        def __init__(self, model, max_len):
-            self.model, self.max_len, self.idx = model, max_len, None
+        def __init__(self, model, max_len, variant):
+            self.model, self.max_len, self.idx, self.variant = model, max_len, None, variant
 
         def prefill(self, idx):
-            seen.append(("prefill", idx.shape[1]))
+            seen.append(("prefill", idx.shape[1], self.variant))
             self.idx = idx
             return self.model(idx)
 
         def step(self, tokens):
-            seen.append(("step", tokens.shape[1]))
+            seen.append(("step", tokens.shape[1], self.variant))
             self.idx = torch.cat([self.idx, tokens], dim=1)
             assert self.idx.shape[1] <= self.max_len
             return self.model(self.idx)[:, -1:]
@@ -228,11 +228,12 @@ def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, mo
     report = profile(f"{factory}:build", seq_lens=(8,), phase="decode", variants=("eager", "auto", "sdpa"), **FAST)
     eager, auto, sdpa = report["records"]
     assert eager["decode_method"] == "full_recompute" and "no KV cache" in eager["decode_note"]
-    # the cache takes no variant: only "auto" is measured with it, the others recompute and say why
-    assert sdpa["decode_method"] == "full_recompute" and "takes no variant" in sdpa["decode_note"]
-    assert auto["status"] == "ok" and auto["decode_method"] == "kv_cache"
-    assert set(seen) == {("prefill", 8), ("step", 1)}
-    assert seen.count(("prefill", 8)) == seen.count(("step", 1))  # every step comes after its own prefill
+    # every optimized variant decodes with the cache, attending with its own candidate
+    assert sdpa["status"] == auto["status"] == "ok"
+    assert sdpa["decode_method"] == auto["decode_method"] == "kv_cache"
+    assert set(seen) == {("prefill", 8, "auto"), ("step", 1, "auto"), ("prefill", 8, "sdpa"), ("step", 1, "sdpa")}
+    for v in ("auto", "sdpa"):  # every step comes after its own prefill
+        assert seen.count(("prefill", 8, v)) == seen.count(("step", 1, v))
     assert auto["attention_flops"] == 2 * (2 * 1 * 9) * 16  # one query row against T+1 keys, 2 heads
 
 
