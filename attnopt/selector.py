@@ -15,7 +15,7 @@ Tuning one key (:meth:`Selector.tune`):
 1. *Legal candidates*: every registered candidate whose ``supports(spec)`` and
    ``available(device)`` return None (the reasons of the others are kept for ``explain()``).
    Candidates marked ``costly`` (FlexAttention: it compiles for every shape, seconds on CPU)
-   are tried only where no cheaper candidate other than ``math`` serves, e.g. score modifiers.
+   are tried only where no SDPA candidate serves, e.g. score modifiers.
 2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
    site's real mask (its pattern is part of the function).
 3. *Check*: each candidate's output (and, when gradients are needed, its q/k/v gradients)
@@ -199,12 +199,10 @@ class Selector:
                 ok.append(name)
             else:
                 why[name] = reason
-        if self.only is None:
-            costly = [n for n in ok if getattr(get_candidate(n), "costly", False)]
-            if any(n != "math" and n not in costly for n in ok):
-                for n in costly:
-                    ok.remove(n)
-                    why[n] = "compiles for every shape (seconds each); tried only where no cheaper candidate serves"
+        if self.only is None and any(n.startswith("sdpa") for n in ok):
+            for n in [n for n in ok if getattr(get_candidate(n), "costly", False)]:
+                ok.remove(n)
+                why[n] = "compiles for every shape (seconds each); tried only where SDPA cannot serve"
         return ok, why
 
     # -- choosing ----------------------------------------------------------------------------------

@@ -498,3 +498,37 @@ def test_multihead_attention_with_discarded_weights_skips_them(keep_weights: boo
     for a, b in zip(leaves, ref_leaves):
         if a.requires_grad:
             torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+
+
+class PlainMHA(nn.Module):
+    def __init__(self, masked: bool):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(C, H, batch_first=True)
+        self.masked = masked
+
+    def forward(self, x):
+        pad = None
+        if self.masked:
+            pad = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+            pad[-1] = True  # every key of the last sequence masked: NaN rows as written
+        y, _ = self.mha(x, x, x, key_padding_mask=pad)
+        return y
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_optimize_runs_multihead_attention_without_the_discarded_weights(masked: bool) -> None:
+    model = PlainMHA(masked)
+    x = torch.randn(B, T, C, requires_grad=True)
+    opt = attnopt.optimize(model)
+    out = opt(x)
+    ref = model(x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4, equal_nan=True)
+    (rec,) = attnopt.explain(opt).records
+    if masked:
+        assert rec.decision == "left alone" and "NaN" in rec.reason
+        assert torch.isnan(out[-1]).all()
+        return
+    assert rec.decision == "rewritten" and rec.rewrite == "need_weights=False", rec.reason
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
