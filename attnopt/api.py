@@ -23,6 +23,7 @@ from .selector import Selector
 log = logging.getLogger("attnopt")
 
 _REPORT_ATTR = "_attnopt_report"
+_SELECTOR_ATTR = "_attnopt_selector"
 
 
 def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, verify: bool = False,
@@ -54,15 +55,21 @@ def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, 
         raise TypeError(f"attnopt.optimize expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap a function in an nn.Module or use attnopt.rewrite on a GraphModule")
     variant = _variant_from_env(variant)
+    if memory_budget is not None and variant != "auto" and os.environ.get("ATTNOPT_VARIANT"):
+        raise ValueError(f"memory_budget needs variant='auto', but ATTNOPT_VARIANT={variant!r} is set in the "
+                         "environment; unset it or drop memory_budget")
     config = OptimizeConfig(variant=variant, compile=compile, verify=verify, memory_budget=memory_budget)
     if selector is not None and config.memory_budget is not None:
         raise ValueError("pass memory_budget to the Selector you give, not to optimize()")
+    if selector is not None and config.candidate != AUTO:
+        log.warning("variant=%r: the selector passed to optimize() is not used", variant)
     if config.candidate == AUTO and selector is None:
         selector = Selector(memory_budget=config.memory_budget)
     report = Report()
     backend = functools.partial(attnopt_backend, config=config, report=report, selector=selector)
     opt = torch.compile(model, backend=backend, dynamic=dynamic)
     object.__setattr__(opt, _REPORT_ATTR, report)
+    object.__setattr__(opt, _SELECTOR_ATTR, selector)
     return opt
 
 
@@ -85,6 +92,10 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
     ``optimize_kwargs``). The timings go to the tuning cache on disk, so later processes on
     the same machine start tuned. ``grad=True`` tunes the forward+backward shapes of training.
     Returns the optimized model. A tqdm bar shows progress.
+
+    Under ``torch.distributed`` call it with the same sweep on every rank: rank 0 tunes each
+    point and broadcasts its choice, so every rank runs the same kernels. (Shapes first met in a
+    forward are chosen by each rank for itself: a collective there could hang.)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attnopt.tune expects a torch.nn.Module, got {type(model).__name__}")
@@ -107,6 +118,20 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
     opt = model if isinstance(getattr(model, _REPORT_ATTR, None), Report) else optimize(model, **optimize_kwargs)
     from tqdm.auto import tqdm
 
+    selector = getattr(opt, _SELECTOR_ATTR, None)
+    if selector is not None:
+        selector.collective = True  # every rank runs this same sweep: rank 0 tunes, all run its choices
+    try:
+        _sweep(opt, labels, calls, grad, progress, tqdm)
+    finally:
+        if selector is not None:
+            selector.collective = False
+    if selector is not None:
+        selector.share()
+    return opt
+
+
+def _sweep(opt: nn.Module, labels: list[str], calls: list[Any], grad: bool, progress: bool, tqdm: Any) -> None:
     for label, make_args in tqdm(list(zip(labels, calls)), desc="attnopt tune", unit="point", disable=not progress):
         args = tuple(make_args())
         log.info("tuning %s", label)
@@ -120,7 +145,6 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
         else:
             with torch.no_grad():
                 opt(*args)
-    return opt
 
 
 def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, variant: str = "auto",
@@ -168,7 +192,7 @@ def explain(model: nn.Module | fx.GraphModule, *args: Any, variant: str = "auto"
         raise TypeError(f"attnopt.explain expects a torch.nn.Module, got {type(model).__name__}")
     _check_call(model, args, kwargs)
     report = Report()
-    config = OptimizeConfig(variant=variant)
+    config = OptimizeConfig(variant=_variant_from_env(variant))
     backend = functools.partial(attnopt_backend, config=config, report=report)
     with torch.no_grad():
         torch.compile(model, backend=backend)(*args, **kwargs)

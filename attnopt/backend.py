@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .config import OptimizeConfig
@@ -97,10 +98,22 @@ def _tune_before_tracing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> N
     sites = [m for m in gm.modules() if isinstance(m, AttentionSite) and m.candidate == AUTO]
     if not sites or any(isinstance(x, FakeTensor) for x in example_inputs):
         return
+    # On copies of the buffers and inputs, with the random state restored: the run must leave no
+    # trace (running statistics, in-place caches, counters, the RNG stream).
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+              for x in example_inputs]
+    for site in sites:
+        site.tuning_run = True
     try:
-        gm(*example_inputs)
-    except Exception as e:  # noqa: BLE001 - tuning is an optimisation; the sites fall back to "math"
+        cuda = sorted({x.device for x in inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"}, key=str)
+        with torch.random.fork_rng(devices=cuda):
+            torch.func.functional_call(gm, buffers, tuple(inputs), strict=False)
+    except Exception as e:  # noqa: BLE001 - tuning is an optimisation; the sites then run their fallback
         log.warning("could not tune before compiling: %r", e)
+    finally:
+        for site in sites:
+            site.tuning_run = False
 
 
 def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:

@@ -120,6 +120,8 @@ def _attach(gm: fx.GraphModule, chosen: list[Match], selector: Selector | None) 
         if isinstance(mod, AttentionSite):
             mod.selector = selector
             mod.record = records.get(mod.site_name)
+            if selector is not None:
+                selector.register(mod)
 
 
 def _device_of(m: Match) -> torch.device:

@@ -103,12 +103,13 @@ class AttentionSite(nn.Module):
         self.candidate = candidate
         self.guards = list(guards or [])
         self.where = where
-        self._fell_back = False
+        self._failed: set[str] = set()  # candidates that raised here; this site runs math instead of them
         self.selector: Any = None  # a Selector, for candidate="auto"
         self.record: Any = None  # the SiteRecord that explain() shows
         self.tuning: dict[Any, Any] = {}  # ShapeKey -> TuningEntry
         self._by_call: dict[tuple, str] = {}  # exact call signature -> choice (the per-call fast path)
         self._last: str | None = None
+        self.tuning_run = False  # the backend's eager run before Inductor traces (is_compiling() is True there)
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
 
@@ -167,10 +168,17 @@ class AttentionSite(nn.Module):
             return True  # checked at the compiled graph's boundary instead
         return all(g.holds(t) for g, t in zip(self.guards, guarded))
 
+    def forget_choices(self) -> None:
+        """Ask the selector again on the next call (after it adopted another rank's choices)."""
+        self.tuning.clear()
+        self._by_call.clear()
+        if self.record is not None:
+            self.record.extra.pop("tuning", None)
+
     def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> str:
         if self.candidate != AUTO:
             return self.candidate
-        if _tracing(q) or self.selector is None:
+        if self.selector is None or (_tracing(q) and not self.tuning_run):
             return self._last or "math"
         from .selector import Call, shape_key
 
@@ -184,7 +192,13 @@ class AttentionSite(nn.Module):
                             dropout=kwargs["dropout_p"] > 0, grad=grad)
             entry = self.tuning.get(key)
             if entry is None:
-                entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+                try:
+                    entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+                except Exception as e:  # noqa: BLE001 - tuning is an optimisation; never break the forward
+                    fallback = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
+                    warnings.warn(f"attnopt: could not tune {self.site_name} ({self.where}) for {key.describe()}: "
+                                  f"{type(e).__name__}: {e}; running {fallback} for this call", stacklevel=4)
+                    return fallback
                 self.tuning[key] = entry
                 if self.record is not None:
                     self.record.extra.setdefault("tuning", {})[key.describe()] = entry
@@ -195,9 +209,9 @@ class AttentionSite(nn.Module):
         return choice
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        if self._fell_back:
-            return get_candidate("math")(q, k, v, **kwargs)
         name = self._choice(q, k, v, kwargs)
+        if name in self._failed:
+            name = "math"
         fn = get_candidate(name)
         if _tracing(q):
             return fn(q, k, v, **kwargs)
@@ -207,5 +221,5 @@ class AttentionSite(nn.Module):
             warnings.warn(f"attnopt: candidate {name!r} failed at {self.site_name} ({self.where}): "
                           f"{type(e).__name__}: {e}; running the reference computation instead", stacklevel=3)
             log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
-            self._fell_back = True
+            self._failed.add(name)
             return get_candidate("math")(q, k, v, **kwargs)

@@ -272,19 +272,116 @@ def _rank(rank: int, world: int, init: str, out_dir: str) -> None:
     try:
         fastest = "sdpa_math" if rank == 0 else "math"  # each rank's own timings disagree
         clock = FakeClock({n: (0.1 if n == fastest else 1.0) for n in NAMES})
-        entry = _choose(Selector(timer=clock.timer, memory=clock.memory, candidates=NAMES), _call())
+        sel = Selector(timer=clock.timer, memory=clock.memory, candidates=NAMES)
+        # Inside attnopt.tune: only rank 0 tunes (here the ranks even meet different shapes: no collective,
+        # so nothing can hang), then share() hands every rank rank 0's choices.
+        sel.collective = True
+        during = _choose(sel, _call(t=16 if rank == 0 else 64)).choice
+        timed_during = len(clock.timed)
+        sel.collective = False
+        sel.share()
+        after = _choose(sel, _call(t=16)).choice  # rank 1 now has rank 0's entry for this key
+        timed_after = len(clock.timed)
+        local = _choose(sel, _call(t=128)).choice  # a shape first met in a forward: each rank decides
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(f"{entry.choice} {len(clock.timed)}")
+            f.write(f"{during} {timed_during} {after} {timed_after} {local}")
     finally:
         dist.destroy_process_group()
 
 
-def test_under_torch_distributed_every_rank_runs_rank0s_choice(tmp_path):
+def test_under_torch_distributed_ranks_run_rank0s_tuned_choices_and_never_hang(tmp_path):
     import torch.multiprocessing as mp
 
     init = f"file://{tmp_path / 'store'}"
     mp.spawn(_rank, args=(2, init, str(tmp_path)), nprocs=2, join=True)
     r0 = (tmp_path / "rank0.txt").read_text().split()
     r1 = (tmp_path / "rank1.txt").read_text().split()
-    assert r0[0] == r1[0] == "sdpa_math"
-    assert int(r0[1]) > 0 and int(r1[1]) == 0  # rank 1 never timed anything
+    assert r0[0] == "sdpa_math" and int(r0[1]) > 0  # rank 0 tuned
+    assert r1[0] == "sdpa" and r1[1] == "0"  # rank 1 ran a provisional choice and timed nothing
+    assert r0[2] == r1[2] == "sdpa_math" and r1[3] == "0"  # after share(): rank 0's choice, no tuning on rank 1
+    assert (r0[4], r1[4]) == ("sdpa_math", "math")  # outside tune each rank chooses for itself
+
+
+def _masked_call(mask, grad=True, b=2, h=2, t=6, d=8):
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    kwargs = dict(attn_mask=mask, dropout_p=0.0, is_causal=False, scale=0.3, enable_gqa=False)
+    return Call(q, k, v, kwargs, grad)
+
+
+def test_gradients_are_checked_even_where_rows_are_fully_masked(tmp_path, monkeypatch):
+    _register(monkeypatch, "badk", lambda q, k, v, **kw: reference_attention(q, _BadGrad.apply(k), v, **kw))
+    mask = torch.zeros(6, 6)
+    mask[2] = float("-inf")  # one query row sees no key: NaN as written, restored by the site
+    spec = AttentionSpec(scale=0.3, mask="additive", nan_rows=True)
+    call = _masked_call(mask)
+    key = shape_key(spec, call.q, call.k, call.v, causal=False, mask=mask, dropout=False, grad=True)
+    clock = FakeClock({"badk": 0.001, "sdpa": 1.0})
+    entry = _selector(clock, tmp_path, names=["badk", "sdpa"]).choose(spec, key, call)
+    assert entry.choice == "sdpa" and "grad k differs" in entry.rejected["badk"]
+
+
+def test_rows_the_site_replaces_with_the_mean_do_not_reject_fast_candidates(tmp_path):
+    mask = torch.zeros(6, 6)
+    mask[1] = torch.finfo(torch.float32).min  # min_rows="mean": the site returns mean(v) there
+    spec = AttentionSpec(scale=0.3, mask="additive", min_rows="mean")
+    call = _masked_call(mask)
+    key = shape_key(spec, call.q, call.k, call.v, causal=False, mask=mask, dropout=False, grad=True)
+    clock = FakeClock({"sdpa": 0.1, "math": 1.0})
+    entry = _selector(clock, tmp_path, names=["sdpa", "math"]).choose(spec, key, call)
+    assert entry.choice == "sdpa", entry.rejected
+
+
+def test_the_mask_layout_is_part_of_the_key():
+    spec = AttentionSpec(scale=0.3, mask="additive")
+    q = k = v = torch.randn(2, 2, 6, 8)
+    keys = {shape_key(spec, q, k, v, causal=False, mask=m, dropout=False, grad=False)
+            for m in (torch.zeros(6, 6), torch.zeros(2, 1, 1, 6), torch.zeros(2, 1, 1, 6, dtype=torch.bfloat16))}
+    assert len(keys) == 3
+
+
+def test_a_failing_tuning_never_breaks_the_forward(monkeypatch):
+    def broken(*a, **k):
+        raise MemoryError("no room for the reference")
+
+    monkeypatch.setattr(Selector, "choose", broken)
+    model = Attn().eval()
+    opt = attnopt.optimize(model)
+    x = torch.randn(1, 7, 32)
+    with pytest.warns(UserWarning, match="could not tune"):
+        out = opt(x)
+    torch.testing.assert_close(out, model(x))
+
+
+def test_optimized_and_rewritten_models_can_be_deep_copied():
+    import copy
+
+    opt = attnopt.optimize(Attn().eval())
+    with torch.no_grad():
+        opt(torch.randn(1, 5, 32))
+    copy.deepcopy(opt)
+    x = torch.randn(1, 5, 32)
+    gm = torch.export.export(Attn().eval(), (x,)).module()
+    new = copy.deepcopy(attnopt.rewrite(gm, (x,)))
+    torch.testing.assert_close(new(x), gm(x))
+
+
+class Counting(Attn):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_tuning_before_compiling_leaves_no_trace():
+    model = Counting().eval()
+    opt = attnopt.optimize(model, compile=True)
+    state = torch.random.get_rng_state()
+    with torch.no_grad():
+        opt(torch.randn(1, 5, 32))
+    assert model.calls.item() == 1  # the tuning run worked on copies
+    entries = [e for r in attnopt.explain(opt).records for e in r.extra.get("tuning", {}).values()]
+    assert entries  # and it did tune
+    torch.random.set_rng_state(state)
