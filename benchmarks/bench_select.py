@@ -40,7 +40,8 @@ import torch
 from tabulate import tabulate
 
 import attnopt
-from attnopt.measure import time_alternating
+from attnopt.candidates import reference_attention
+from attnopt.measure import peak_memory, time_alternating
 from attnopt.models import CausalSelfAttention, GPTConfig
 from attnopt.selector import Selector
 from attnopt.site import AttentionSpec
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-scores-gib", type=float, default=8.0,
                    help="skip materialising candidates whose score tensors exceed this")
     p.add_argument("--budget-seq-len", type=int, default=4096)
+    p.add_argument("--budget-only", action="store_true",
+                   help="rerun only the memory-budget check and update select.json/select.md")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -108,24 +111,21 @@ def run_point(block: torch.nn.Module, b: int, t: int, names: list[str], args: ar
 
 
 def budget_check(block: torch.nn.Module, t: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The plain path's attention peak at (B=1, T=t), then auto with half of it as the budget."""
     x = torch.randn(1, t, 768, device=args.device)
-    torch._dynamo.reset()
-    free = Selector(cache=False)
-    opt = attnopt.optimize(copy.deepcopy(block), selector=free)
-    with torch.no_grad():
-        opt(x)
-    entry = next(iter(free.entries.values()))
-    plain = entry.peak_bytes.get("math")
-    budget = int(plain / 2) if plain else 64 * 2**20
+    q = torch.randn(1, 12, t, 64, device=args.device)
+    plain = peak_memory(lambda *_: reference_attention(q, q, q, is_causal=True, scale=0.125), q)
+    budget = plain // 2
     torch._dynamo.reset()
     limited = Selector(cache=False, memory_budget=budget)
     opt = attnopt.optimize(copy.deepcopy(block), selector=limited)
     with torch.no_grad():
         opt(x)
     got = next(iter(limited.entries.values()))
-    return {"seq_len": t, "plain_peak_mib": (plain or 0) / 2**20, "budget_mib": budget / 2**20,
+    return {"seq_len": t, "plain_peak_mib": plain / 2**20, "budget_mib": budget / 2**20,
             "choice": got.choice, "choice_peak_mib": got.peak_bytes[got.choice] / 2**20,
             "within_budget": got.peak_bytes[got.choice] <= budget,
+            "measured_peaks_mib": {n: v / 2**20 for n, v in got.peak_bytes.items()},
             "rejected_for_budget": sorted(n for n, why in got.rejected.items() if "budget" in why)}
 
 
@@ -140,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     block = CausalSelfAttention(GPTConfig(n_embd=768, n_head=12, block_size=4096, dropout=0.0)).to(args.device).eval()
     names = legal_candidates(args.device)
+    if args.budget_only:
+        result = json.loads((args.out / "select.json").read_text())
+        result["budget"] = budget_check(block, args.budget_seq_len, args)
+        (args.out / "select.json").write_text(json.dumps(result, indent=2))
+        (args.out / "select.md").write_text(render(result))
+        print(render(result))
+        return 0
     load0 = os.getloadavg()[0]
     points = []
     for b in args.batch_sizes:
@@ -181,7 +188,8 @@ def render(r: dict[str, Any]) -> str:
         f"candidate (target <= 1.05). 1-min load: {r['load_before']:.2f} before, {r['load_after']:.2f} after.", "",
         table, "", f"Worst regret: **{worst:.3f}**.", "",
         "Peak memory of one attention call per candidate, as the selector measured it while tuning:", "", mem, "",
-        f"Memory budget at T={bud['seq_len']} (B=1): plain path peak {bud['plain_peak_mib']:.1f} MiB, budget "
+        f"Memory budget at T={bud['seq_len']} (B=1): plain path (attention written out) peak "
+        f"{bud['plain_peak_mib']:.1f} MiB, budget "
         f"{bud['budget_mib']:.1f} MiB -> chose `{bud['choice']}` at {bud['choice_peak_mib']:.1f} MiB "
         f"({'within' if bud['within_budget'] else 'OVER'} budget); rejected for the budget: "
         f"{', '.join(bud['rejected_for_budget']) or 'none'}.", ""])
