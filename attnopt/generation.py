@@ -231,6 +231,7 @@ class CachedLM:
         self.length = 0
         self.batch: int | None = None
         self.mask_checks: list[MaskCheck] = []
+        self.run = graph_module  # or its torch.compile'd version (cached(..., compile=True))
 
     @property
     def cache_bytes(self) -> int:
@@ -249,7 +250,7 @@ class CachedLM:
         self._check_room(idx.size(1))
         self._check_masks(idx.size(0), idx.size(1), idx.device)
         with torch.no_grad():
-            logits = self.graph_module(idx, 0)
+            logits = self.run(idx, 0)
         self.length, self.batch = idx.size(1), idx.size(0)
         return logits
 
@@ -264,7 +265,7 @@ class CachedLM:
         self._check_room(self.length + tokens.size(1))
         self._check_masks(self.batch, self.length + tokens.size(1), tokens.device)
         with torch.no_grad():
-            logits = self.graph_module(tokens, self.length)
+            logits = self.run(tokens, self.length)
         self.length += tokens.size(1)
         return logits
 
@@ -308,7 +309,7 @@ class CachedLM:
 # ----------------------------------------------------------------------------- building
 
 
-def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa") -> CachedLM:
+def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False) -> CachedLM:
     """Capture ``model`` (a causal LM, ``forward(idx) -> logits (B, T, vocab)``) and build its cached version.
 
     Args:
@@ -321,6 +322,9 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
             candidate, or ``"auto"``: the selector times the legal candidates for the prefill and
             decode shapes (per power-of-two bucket of the cached length; the tuning cache on disk
             makes later runs free) and keeps the fastest.
+        compile: hand the cached graph to Inductor (``torch.compile(..., dynamic=True)``): fused
+            elementwise ops, fewer dispatches per step. Compiling takes tens of seconds on the first
+            prefill and step; not with ``variant="auto"`` (the choice must be made before tracing).
 
     Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
     ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not.
@@ -334,6 +338,11 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
     if variant != "auto":
         get_candidate(variant)  # a clear error for an unknown name
+    elif compile:
+        raise ValueError("compile=True needs a fixed candidate (e.g. variant='sdpa'): the selector times "
+                         "candidates eagerly, which a compiled graph cannot do")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
     selector = Selector() if variant == "auto" else None
     declared = _config_max(model)
     example_len = 4 if declared is None else max(2, min(4, declared))
@@ -384,6 +393,8 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         s.max_len = limit
     lm = CachedLM(gm, sites, limit, source, _bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
     lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
+    if compile:
+        lm.run = torch.compile(gm, dynamic=True)
     return lm
 
 
@@ -613,13 +624,13 @@ def generate_plain(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, 
 
 def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
-             max_len: int | None = None, variant: str = "sdpa") -> torch.Tensor:
+             max_len: int | None = None, variant: str = "sdpa", compile: bool = False) -> torch.Tensor:
     """Generate ``max_new_tokens`` tokens after ``idx`` ``(B, T0)`` with a KV cache; returns ``(B, T0 + N)``.
 
     Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
     ``temperature``, keep the ``top_k`` largest, sample with ``generator``). ``model`` is a causal LM
     (see :func:`cached`) or a :class:`CachedLM` built before (capture takes seconds; reuse it).
-    ``variant`` picks the candidate that attends to the cache (see :func:`cached`).
+    ``variant`` and ``compile`` are passed to :func:`cached` when ``model`` is a module.
 
     Raises:
         PositionError: the model cannot be cached exactly (the message names the op and line).
@@ -633,7 +644,7 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
                              "build another with attnopt.generation.cached(model, max_len=...)")
         lm = model
     else:
-        lm = cached(model, max_len=max_len, variant=variant)
+        lm = cached(model, max_len=max_len, variant=variant, compile=compile)
     _check_total(idx, max_new_tokens, lm.max_len)
     if max_new_tokens == 0:
         return idx

@@ -9,6 +9,7 @@ fp32, eval, CPU, random weights. Variants (same model, same prompt):
 
 * ``plain``   ``attnopt.generation.generate_plain``: runs the whole sequence for every new token
 * ``cached``  ``attnopt.generate`` with a ``CachedLM`` built once (capture time is reported separately)
+* ``compiled`` the same with ``cached(model, compile=True)`` (Inductor; compile time reported separately)
 
 Whole generations are timed in alternation (``attnopt.measure.time_alternating``: plain, cached, plain,
 cached, ...) after one untimed warm-up round each, and the medians are compared as ``time(plain) /
@@ -86,9 +87,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     lm = cached(model)
     capture_s = time.perf_counter() - start
+    start = time.perf_counter()
+    lmc = cached(model, compile=True)
+    first = generate(lmc, prompt, args.new)  # compiles on the first prefill and step
+    compile_s = time.perf_counter() - start
     fns = {"plain": lambda: generate_plain(model, prompt, args.new),
-           "cached": lambda: generate(lm, prompt, args.new)}
-    same = torch.equal(fns["plain"](), fns["cached"]())  # also the warm-up round
+           "cached": lambda: generate(lm, prompt, args.new),
+           "compiled": lambda: generate(lmc, prompt, args.new)}
+    reference = fns["plain"]()  # also the warm-up round
+    same = torch.equal(reference, fns["cached"]()) and torch.equal(reference, first)
     medians = time_alternating(fns, (), repeats=args.rounds, warmup=0, progress="generate")
     steps = [cached_step_times(lm, prompt, args.new) for _ in range(args.rounds)]
     per_step = [statistics.median(s[i] for s in steps) for i in range(len(steps[0]))]
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seq = torch.randint(0, 65, (1, pos + 1))
         plain = time_alternating({"plain": lambda s=seq: model(s)}, (), repeats=args.rounds, warmup=1)["plain"]
         rows.append({"position": pos, "cached_ms": 1e3 * statistics.median(window), "plain_ms": 1e3 * plain})
-    return {"same_tokens": same, "capture_s": capture_s, "medians": medians, "steps": rows,
+    return {"same_tokens": same, "capture_s": capture_s, "compile_s": compile_s, "medians": medians, "steps": rows,
             "bytes_per_token": lm.bytes_per_token, "cache_bytes": lm.cache_bytes, "max_len": lm.max_len,
             "sites": len(lm.sites), "load": (load_before, os.getloadavg()[0])}
 
@@ -110,7 +117,11 @@ def markdown(res: dict[str, Any], args: argparse.Namespace) -> str:
              ["attnopt.generate (KV cache)", f"{med['cached']:.2f}", f"{1e3 * med['cached'] / args.new:.1f}",
               f"{med['plain'] / med['cached']:.1f}x"],
              ["attnopt.generate incl. capture", f"{med['cached'] + res['capture_s']:.2f}", "",
-              f"{med['plain'] / (med['cached'] + res['capture_s']):.1f}x"]]
+              f"{med['plain'] / (med['cached'] + res['capture_s']):.1f}x"],
+             ["attnopt.generate, compile=True", f"{med['compiled']:.2f}", f"{1e3 * med['compiled'] / args.new:.1f}",
+              f"{med['plain'] / med['compiled']:.1f}x"],
+             ["compile=True incl. capture and compilation", f"{med['compiled'] + res['compile_s']:.2f}", "",
+              f"{med['plain'] / (med['compiled'] + res['compile_s']):.1f}x"]]
     steps = [[r["position"], f"{r['cached_ms']:.2f}", f"{r['plain_ms']:.1f}", f"{r['plain_ms'] / r['cached_ms']:.0f}x"]
              for r in res["steps"]]
     first, last = res["steps"][0]["cached_ms"], res["steps"][-1]["cached_ms"]
@@ -125,8 +136,10 @@ def markdown(res: dict[str, Any], args: argparse.Namespace) -> str:
         f"`{shlex.join(['python', 'benchmarks/bench_generate.py', *sys.argv[1:]])}`",
         env,
         "nanoGPT (6 layers, C=384, H=6, vocab 65, block_size {}), {} attention sites cached. "
-        "Same tokens from both: **{}**. Capture and proof (`attnopt.generation.cached`): {:.1f} s, once per model."
-        .format(args.prompt + args.new, res["sites"], "yes" if res["same_tokens"] else "NO", res["capture_s"]),
+        "Same tokens from all: **{}**. Capture and proof (`attnopt.generation.cached`): {:.1f} s, once per model; "
+        "with `compile=True`, capture plus Inductor compilation (first generation included): {:.1f} s."
+        .format(args.prompt + args.new, res["sites"], "yes" if res["same_tokens"] else "NO", res["capture_s"],
+                res["compile_s"]),
         "#### Whole generation\n\n" + tabulate(total, headers=["variant", "seconds", "ms per token",
                                                                 "speed-up vs plain"], tablefmt="github"),
         "#### One decode step by position\n\n" + tabulate(

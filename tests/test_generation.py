@@ -110,6 +110,15 @@ def test_auto_variant_tunes_prefill_and_decode_shapes_and_keeps_the_tokens():
         cached(model, variant="fastest")
 
 
+def test_compiled_cache_gives_the_same_tokens():
+    model = _nanogpt()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c = cached(model, compile=True)
+    assert torch.equal(generate(c, idx, 5), generate_plain(model, idx, 5))
+    with pytest.raises(ValueError, match="compile=True needs a fixed candidate"):
+        cached(model, variant="auto", compile=True)
+
+
 def test_generate_from_a_module_and_batch_of_one():
     model = _llama(rope_tables=False)  # rotary angles computed from arange(T) in forward
     idx = torch.randint(0, VOCAB, (1, 6))
