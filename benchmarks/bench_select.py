@@ -187,7 +187,8 @@ def render(r: dict[str, Any]) -> str:
         f"Command: `{r['command']}`. Whole-block forward, medians of alternating rounds; regret = auto / best "
         f"candidate (target <= 1.05). 1-min load: {r['load_before']:.2f} before, {r['load_after']:.2f} after.", "",
         table, "", f"Worst regret: **{worst:.3f}**.", "",
-        "Peak memory of one attention call per candidate, as the selector measured it while tuning:", "", mem, "",
+        "Peak memory of one attention call per candidate, as the selector measured it while tuning "
+        "(`-`: pruned after the first timing round, more than 2x slower than the best, so not measured):", "", mem, "",
         f"Memory budget at T={bud['seq_len']} (B=1): plain path (attention written out) peak "
         f"{bud['plain_peak_mib']:.1f} MiB, budget "
         f"{bud['budget_mib']:.1f} MiB -> chose `{bud['choice']}` at {bud['choice_peak_mib']:.1f} MiB "
