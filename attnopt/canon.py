@@ -554,3 +554,61 @@ def functionalize_inplace(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+_VIEW_METHODS = frozenset((
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "T", "mT", "unsqueeze", "squeeze",
+    "expand", "expand_as", "narrow", "select", "flatten", "unflatten", "as_strided", "diagonal", "unfold", "split",
+    "chunk", "unbind", "contiguous", "detach", "__getitem__", "to", "type_as", "float", "half", "bfloat16", "bool",
+))
+_VIEW_FUNCTIONS = frozenset((
+    operator.getitem, torch.transpose, torch.permute, torch.reshape, torch.unsqueeze, torch.squeeze, torch.narrow,
+    torch.select, torch.flatten, torch.diagonal, torch.split, torch.chunk, torch.unbind, torch.t, torch.detach,
+))
+
+
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    if user.op == "call_method":
+        name = str(user.target)
+        return bool(user.args) and user.args[0] is node and name.endswith("_") and not name.startswith("__")
+    if user.op == "call_function":
+        if user.target is operator.setitem:
+            return bool(user.args) and user.args[0] is node
+        schema = getattr(user.target, "_schema", None)
+        if schema is not None:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+                    if value is node:
+                        return True
+        name = getattr(user.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_") and bool(user.args) and user.args[0] is node
+    return False
+
+
+def _aliases(user: fx.Node) -> bool:
+    if user.op == "call_method":
+        return str(user.target) in _VIEW_METHODS
+    if user.op == "call_function":
+        if user.target in _VIEW_FUNCTIONS:
+            return True
+        schema = getattr(user.target, "_schema", None)
+        return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
+    return False
+
+
+def mutated(node: Any, depth: int = 8) -> bool:
+    """``node``'s tensor (or a view of it) is written in place somewhere in the graph.
+
+    Proofs that read what a node *computes* (a ``tril`` band, a ``zeros`` input) do not hold
+    for a tensor changed afterwards (``keep[:4, :4] = True``, ``bias.masked_fill_(...)``).
+    Conservative: ops that may return an alias count as views.
+    """
+    if not isinstance(node, fx.Node) or depth < 0:
+        return False
+    for user in node.users:
+        if _writes(user, node):
+            return True
+        if _aliases(user) and mutated(user, depth - 1):
+            return True
+    return False

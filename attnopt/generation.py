@@ -34,7 +34,8 @@ Each site writes its new K and V into a cache preallocated to ``max_len`` positi
 computed per position, so the cached rows equal the full recompute's) and attends over
 ``cache[:offset + t]`` with the causal rule aligned bottom-right: no mask for one new token,
 ``is_causal`` for the prefill, an explicit lower-band mask for several new tokens after a prefix.
-Attention runs through the ``sdpa`` candidate; outputs match the model as written within the
+Attention runs through the candidate ``variant`` names (``sdpa`` by default; ``auto`` lets the
+selector time the prefill and decode shapes); outputs match the model as written within the
 dtype's tolerance, like every attnopt rewrite. Dropout must be inactive (``model.eval()``).
 """
 

@@ -255,14 +255,31 @@ class FiniteFill(Bidirectional):
         return (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
 
 
+class RollAll(nn.Module):
+    def forward(self, x):
+        return x + x.roll(1)  # no dims: rolls the flattened tensor, across positions
+
+
+class ExpandedCumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.randn(16))
+
+    def forward(self, x):
+        return x + 0.1 * self.b.expand(x.size(1), 16).cumsum(0)  # a constant, accumulated over time
+
+
 @pytest.mark.parametrize("mix, op, why", [
+    (RollAll(), "aten.roll", "works along the sequence axis"),
+    (ExpandedCumsum(), "aten.cumsum", "works along the sequence axis"),
     (CausalConv(), "aten.conv1d", "not known to act on each position separately"),
     (FiniteFill(), "aten.matmul", "finite value -10000"),
     (Cumsum(), "aten.cumsum", "works along the sequence axis"),
     (MeanPool(), "aten.mean", "works along the sequence axis"),
     (ByLength(), "aten.div", "uses the sequence length"),
     (Bidirectional(), "aten.matmul", "not proven to be causal self-attention (it has no mask)"),
-], ids=["causal-conv", "finite-fill", "cumsum", "mean-pool", "divide-by-length", "bidirectional-attention"])
+], ids=["roll-flattened", "expanded-constant-cumsum", "causal-conv", "finite-fill",
+        "cumsum", "mean-pool", "divide-by-length", "bidirectional-attention"])
 def test_sequence_mixing_is_refused_naming_op_and_line(mix, op, why):
     with pytest.raises(PositionError) as info:
         cached(TinyLM(mix))

@@ -36,7 +36,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..canon import Op, dtype_of, functionalize_inplace, is_scalar, is_zero_dim_tensor, meta_value, read, shape_of
+from ..canon import (
+    Op,
+    dtype_of,
+    functionalize_inplace,
+    is_scalar,
+    is_zero_dim_tensor,
+    meta_value,
+    mutated,
+    read,
+    shape_of,
+)
 from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, SiteRecord
 from .masks import Add, Fill, MaskPlan, _same, plan_mask
 
@@ -302,7 +312,10 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             if c <= 0:
                 raise NearMiss(f"the scores are scaled by {c:g} after a mask; a negative factor turns the mask over")
             masks = [_scaled_mask(t, c, how, value) for t in masks]
-            scale *= c
+            if mods:  # c * mask(mod(s)) = mask'(c * mod(s)): the factor joins the modifier, not the scale
+                mods.append(("mul", c))
+            else:
+                scale *= c
             continue
         if mods:
             mods.append(("mul", c))
@@ -513,7 +526,7 @@ def _baddbmm_terms(op: Op, chain: list[tuple[str, Any]], record: SiteRecord) -> 
     beta_v = _scale_value(beta)
     if beta_v == 1.0:
         fop = read(inp) if isinstance(inp, fx.Node) else None
-        if not (fop is not None and fop.kind == "factory" and fop.args[0] == 0):
+        if not (fop is not None and fop.kind == "factory" and fop.args[0] == 0 and not mutated(inp)):
             if not isinstance(inp, fx.Node):
                 raise NearMiss(f"baddbmm adds the number {inp!r} to the scores")
             chain.append(("mask", Add(inp)))

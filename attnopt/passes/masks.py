@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..canon import attr_value, dtype_of, meta_value, read, shape_of
+from ..canon import attr_value, dtype_of, meta_value, mutated, read, shape_of
 from ..runtime import is_lower_pattern
 
 
@@ -101,8 +101,8 @@ class BandReader:
         self.guarded: list[fx.Node] = []
 
     def band(self, node: Any) -> Band:
-        if not isinstance(node, fx.Node):
-            raise _Unknown
+        if not isinstance(node, fx.Node) or mutated(node):
+            raise _Unknown  # a tensor written in place after it was built is not what its op computes
         shape = shape_of(node)
         if shape is None or len(shape) < 2:
             raise _Unknown

@@ -258,9 +258,9 @@ class _Analysis:
         if torch.Tag.nondeterministic_seeded in target.tags and not _is_inactive_dropout(node):
             raise _Refuse("is random (dropout active? call model.eval() before generating)")
         tensor_kinds = [self.kind(i) for i in inputs if self.kind(i) != SHAPE]
-        if all(k == CONST for k in tensor_kinds) and not any(_involves(a, self.seq) for a in _flat(node.args)
-                                                              + _flat(node.kwargs)):
-            return CONST  # computed from parameters and buffers alone
+        if all(k == CONST for k in tensor_kinds) and not self.axes(node) and not any(
+                _involves(a, self.seq) for a in _flat(node.args) + _flat(node.kwargs)):
+            return CONST  # computed from parameters and buffers alone, with no sequence axis
         packet = target.overloadpacket
         if packet in _METADATA:
             return SHAPE  # sizes and checks on them, never tensor values
@@ -486,7 +486,7 @@ _RULES: dict[Any, Any] = {
     **{op: _along("dim", default_all=True) for op in (
         _P.sum, _P.mean, _P.amax, _P.amin, _P.var, _P.std, _P.prod, _P.any, _P.all, _P.norm,
         _P.linalg_vector_norm, _P.max, _P.min, _P.argmax, _P.argmin)},
-    **{op: _along("dims") for op in (_P.flip, _P.roll)},
+    **{op: _along("dims", default_all=True) for op in (_P.flip, _P.roll)},  # roll without dims: flattened
     _P.layer_norm: _norm, _P.native_layer_norm: _norm, _P.rms_norm: _norm,
     _P.matmul: _product, _P.mm: _product, _P.bmm: _product, _P.linear: _product,
     _P.embedding: _lookup, _P.index: _lookup,

@@ -27,7 +27,7 @@ from ..candidates import reference_attention
 from ..canon import attr_value, dtype_of, meta_value
 from ..runtime import AttentionSite, BufferGuard, _tracing
 from ..site import REWRITTEN
-from .find_sites import Match, reads_only_dtype, unused_mha_weights
+from .find_sites import Match, reads_only_dtype
 from .masks import Add, Fill
 
 
@@ -115,22 +115,6 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
     graph.lint()
     gm.recompile()
     return gm
-
-
-def drop_unused_mha_weights(gm: fx.GraphModule) -> list[fx.Node]:
-    """Set ``need_weights=False`` on ``nn.MultiheadAttention`` calls whose weights are discarded.
-
-    ``attn, _ = self.mha(x, x, x)`` asks for the averaged weights by default; when the graph
-    reads only the output (``find_sites.unused_mha_weights``), the call computes the same
-    output through SDPA instead of materialising the probabilities. Returns the changed nodes.
-    """
-    nodes = unused_mha_weights(gm)
-    for node in nodes:
-        node.update_kwarg("need_weights", False)
-    if nodes:
-        gm.graph.lint()
-        gm.recompile()
-    return nodes
 
 
 _PURE_MODULES = (torch.nn.Softmax, torch.nn.Dropout)
