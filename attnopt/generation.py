@@ -59,7 +59,7 @@ from .passes.find_sites import Match, find_sites
 from .passes.masks import Add
 from .passes.positions import PositionError, PositionPlan, analyse_positions, offset_positions
 from .passes.rewrite_sdpa import rewrite_sites
-from .runtime import AttentionSite
+from .runtime import AttentionSite, candidate_layout
 from .selector import Selector
 from .site import AttentionSpec
 
@@ -111,11 +111,7 @@ class KVCacheAttention(nn.Module):
         self.k_cache[..., offset:end, :] = k
         self.v_cache[..., offset:end, :] = v
         keys, values = self.k_cache[..., :end, :], self.v_cache[..., :end, :]
-        lead = 4 - q.dim()
-        if lead:
-            q, keys, values = (x.reshape((1,) * lead + x.shape) for x in (q, keys, values))
-        if values.dtype != q.dtype:
-            values = values.to(q.dtype)
+        q, keys, values, lead = candidate_layout(q, keys, values)
         mask = None
         if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
             mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)

@@ -58,6 +58,17 @@ def is_lower_pattern(t: torch.Tensor, below: float, above: float) -> bool:
     return bool(torch.equal(t2, expected))
 
 
+def candidate_layout(q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, k, v as candidates take them (4-D, v in q's dtype) and how many leading dims were added."""
+    lead = 4 - q.dim()
+    if lead:
+        q, k, v = (t.reshape((1,) * lead + t.shape) for t in (q, k, v))
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
+    return q, k, v, lead
+
+
 @dataclass
 class BufferGuard:
     """Checks that a buffer a causal proof read still holds the proven lower-triangular pattern.
@@ -122,11 +133,7 @@ class AttentionSite(nn.Module):
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
-        lead = 4 - q.dim()
-        if lead:
-            q, k, v = (t.reshape((1,) * lead + t.shape) for t in (q, k, v))
-        if v.dtype != q.dtype:
-            v = v.to(q.dtype)
+        q, k, v, lead = candidate_layout(q, k, v)
         use_causal = False
         if spec.causal is not None:
             aligned = spec.causal == "top_left" or q.size(-2) == k.size(-2)
