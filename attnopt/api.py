@@ -115,7 +115,11 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
             raise ValueError("attnopt.tune needs at least one input")
         calls = [functools.partial(lambda a: a, a if isinstance(a, (tuple, list)) else (a,)) for a in seq]
         labels = [f"input {i}" for i in range(len(seq))]
-    opt = model if isinstance(getattr(model, _REPORT_ATTR, None), Report) else optimize(model, **optimize_kwargs)
+    optimized = isinstance(getattr(model, _REPORT_ATTR, None), Report)
+    if optimized and optimize_kwargs:
+        raise ValueError(f"model is already optimized; {sorted(optimize_kwargs)} apply to attnopt.optimize, "
+                         "pass them there or pass the plain model to tune")
+    opt = model if optimized else optimize(model, **optimize_kwargs)
     from tqdm.auto import tqdm
 
     selector = getattr(opt, _SELECTOR_ATTR, None)
@@ -135,16 +139,10 @@ def _sweep(opt: nn.Module, labels: list[str], calls: list[Any], grad: bool, prog
     for label, make_args in tqdm(list(zip(labels, calls)), desc="attnopt tune", unit="point", disable=not progress):
         args = tuple(make_args())
         log.info("tuning %s", label)
-        if grad:
-            out = opt(*args)
-            loss = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
-                       if isinstance(t, torch.Tensor) and t.requires_grad)
-            if isinstance(loss, torch.Tensor):
-                loss.backward()
-            opt.zero_grad(set_to_none=True)
-        else:
-            with torch.no_grad():
-                opt(*args)
+        # With grad=True the forward runs with autograd on, so the sites see (and the selector times,
+        # forward and backward, on its own inputs) the training key; no backward touches .grad here.
+        with torch.enable_grad() if grad else torch.no_grad():
+            opt(*args)
 
 
 def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, variant: str = "auto",

@@ -385,3 +385,15 @@ def test_tuning_before_compiling_leaves_no_trace():
     entries = [e for r in attnopt.explain(opt).records for e in r.extra.get("tuning", {}).values()]
     assert entries  # and it did tune
     torch.random.set_rng_state(state)
+
+
+def test_tune_for_training_tunes_the_gradient_key_and_leaves_grads_alone(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 3.0, "sdpa_flash": 1.0, "sdpa_math": 4.0})
+    model = Attn()
+    opt = attnopt.tune(model, [(torch.randn(2, 9, 32),)], grad=True, progress=False,
+                       selector=_selector(clock, tmp_path))
+    keys = [key for r in attnopt.explain(opt).records for key in r.extra.get("tuning", {})]
+    assert keys and all(key.endswith(", grad") or ", grad," in key for key in keys)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="already optimized"):
+        attnopt.tune(opt, [(torch.randn(2, 9, 32),)], variant="sdpa")
