@@ -113,7 +113,7 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
         seq = list(inputs)
         if not seq:
             raise ValueError("attnopt.tune needs at least one input")
-        calls = [functools.partial(lambda a: a, a if isinstance(a, (tuple, list)) else (a,)) for a in seq]
+        calls = [(lambda a=a: a if isinstance(a, (tuple, list)) else (a,)) for a in seq]
         labels = [f"input {i}" for i in range(len(seq))]
     optimized = isinstance(getattr(model, _REPORT_ATTR, None), Report)
     if optimized and optimize_kwargs:

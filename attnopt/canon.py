@@ -102,10 +102,6 @@ def attr_value(root: torch.nn.Module, target: str) -> Any:
     return obj
 
 
-def is_tensor_node(node: Any) -> bool:
-    return isinstance(node, fx.Node) and shape_of(node) is not None
-
-
 def is_scalar(x: Any) -> bool:
     """A Python number, a symbolic number, or a node that produces one (not a tensor)."""
     if isinstance(x, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(x, bool):
@@ -139,10 +135,6 @@ def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def _self_and_rest(node: fx.Node) -> tuple[Any, tuple[Any, ...]]:
-    return node.args[0], tuple(node.args[1:])
 
 
 # ----------------------------------------------------------------------------- readers

@@ -173,7 +173,7 @@ def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, v
         "complete": False, "records": [], "summary": [], "plots": [],
     }
     session = _Session(target, model, variants, dev, dt, repeats, out_dir if trace else None, seed,
-                       report["environment"]["matmul"]["flops_per_s"])
+                       report["environment"]["matmul"]["flops_per_s"], max(seq_lens) + 1)
     points = [(ph, b, t) for ph in phases for b in batch_sizes for t in seq_lens]
     bar = None
     if progress:
@@ -217,11 +217,9 @@ def _environment(dev: torch.device, dt: torch.dtype, matmul_size: int) -> dict[s
 
 
 def _generation() -> tuple[Callable[..., Any] | None, str | None]:
-    """``attnopt.generation.cached``, or None and why it cannot be used."""
-    try:
-        from .generation import cached
-    except ImportError as e:
-        return None, f"attnopt.generation.cached is not importable ({e})"
+    """``attnopt.generation.cached`` (the tests put a fake one here), or None and why it cannot be used."""
+    from .generation import cached
+
     return cached, None
 
 
@@ -247,13 +245,16 @@ class _Session:
     """The state one sweep shares across points: the variants' models and the eager site capture."""
 
     def __init__(self, target: Target, model: torch.nn.Module, variants: list[str], dev: torch.device,
-                 dt: torch.dtype, repeats: int, trace_dir: Path | None, seed: int, matmul_flops: float):
+                 dt: torch.dtype, repeats: int, trace_dir: Path | None, seed: int, matmul_flops: float,
+                 decode_len: int = 0):
         import attnopt
 
         self.target, self.model, self.dev, self.dt = target, model, dev, dt
         self.repeats, self.trace_dir, self.seed, self.matmul_flops = repeats, trace_dir, seed, matmul_flops
         self.models = {v: model if v == "eager" else attnopt.optimize(model, variant=v) for v in variants}
         self.bracketed, self.counter = bracket_sites(model)
+        self.decode_len = decode_len  # the cached models hold the longest context of the sweep plus one token
+        self.cached: dict[str, Any] = {}  # variant -> CachedLM, built (captured) once per sweep, or why not
 
     # -- one point ---------------------------------------------------------------------------------------------
     def point(self, phase: str, b: int, t: int) -> list[dict[str, Any]]:
@@ -327,13 +328,18 @@ class _Session:
         return runners, make_runner(self.bracketed, (idx,), {}, self.dev), ((idx,), {})
 
     def _cached(self, variant: str, idx: torch.Tensor, t: int) -> tuple[Runner | None, str]:
-        cached, why = _generation()
-        if cached is None:
-            return None, why or ""
-        try:
-            c = cached(self.model, max_len=t + 1, variant=variant)
-        except Exception as e:  # noqa: BLE001 - it refuses models it cannot cache exactly
-            return None, f"attnopt.generation.cached refused the model: {type(e).__name__}: {e}"
+        if variant not in self.cached:
+            cached, why = _generation()
+            if cached is None:
+                self.cached[variant] = why or ""
+            else:
+                try:
+                    self.cached[variant] = cached(self.model, max_len=max(self.decode_len, t + 1), variant=variant)
+                except Exception as e:  # noqa: BLE001 - it refuses models it cannot cache exactly
+                    self.cached[variant] = f"attnopt.generation.cached refused the model: {type(e).__name__}: {e}"
+        c = self.cached[variant]
+        if isinstance(c, str):
+            return None, c
         context, new = idx[:, :t], idx[:, t:]
 
         def run() -> Any:

@@ -212,6 +212,7 @@ def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, mo
     class FakeCache:  # full recompute behind the cached interface: checks the calls the profiler makes
         def __init__(self, model, max_len, variant):
             self.model, self.max_len, self.idx, self.variant = model, max_len, None, variant
+            seen.append(("built", max_len, variant))
 
         def prefill(self, idx):
             seen.append(("prefill", idx.shape[1], self.variant))
@@ -225,15 +226,20 @@ def test_decode_with_a_cache_times_one_step_after_an_untimed_prefill(factory, mo
             return self.model(self.idx)[:, -1:]
 
     monkeypatch.setattr(profile_module, "_generation", lambda: (FakeCache, None))
-    report = profile(f"{factory}:build", seq_lens=(8,), phase="decode", variants=("eager", "auto", "sdpa"), **FAST)
-    eager, auto, sdpa = report["records"]
+    report = profile(f"{factory}:build", seq_lens=(6, 8), phase="decode", variants=("eager", "auto", "sdpa"),
+                     **FAST)
+    # one cached model per variant for the whole sweep, sized for its longest context plus the new token
+    assert sorted(x for x in seen if x[0] == "built") == [("built", 9, "auto"), ("built", 9, "sdpa")]
+    seen[:] = [x for x in seen if x[0] != "built"]
+    eager, auto, sdpa = report["records"][3:]
     assert eager["decode_method"] == "full_recompute" and "no KV cache" in eager["decode_note"]
     # every optimized variant decodes with the cache, attending with its own candidate
     assert sdpa["status"] == auto["status"] == "ok"
     assert sdpa["decode_method"] == auto["decode_method"] == "kv_cache"
-    assert set(seen) == {("prefill", 8, "auto"), ("step", 1, "auto"), ("prefill", 8, "sdpa"), ("step", 1, "sdpa")}
+    assert set(seen) == {(kind, n, v) for v in ("auto", "sdpa") for kind, n in
+                         (("prefill", 6), ("prefill", 8), ("step", 1))}
     for v in ("auto", "sdpa"):  # every step comes after its own prefill
-        assert seen.count(("prefill", 8, v)) == seen.count(("step", 1, v))
+        assert seen.count(("prefill", 6, v)) + seen.count(("prefill", 8, v)) == seen.count(("step", 1, v))
     assert auto["attention_flops"] == 2 * (2 * 1 * 9) * 16  # one query row against T+1 keys, 2 heads
 
 
