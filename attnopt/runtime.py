@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .candidates import ScoreMod, get_candidate
+from .selector import Call, shape_key
 from .site import AttentionSpec
 
 log = logging.getLogger("attnopt")
@@ -187,8 +188,6 @@ class AttentionSite(nn.Module):
             return self.candidate
         if self.selector is None or (_tracing(q) and not self.tuning_run):
             return self._last or "math"
-        from .selector import Call, shape_key
-
         mask = kwargs["attn_mask"]
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
         fast = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else mask.dtype,
