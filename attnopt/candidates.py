@@ -35,6 +35,38 @@ from .site import AttentionSpec
 #: site has one (``spec.score_mod``), so SDPA-shaped functions need not accept it.
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: A causal sliding window reaches candidates as ``window=w`` next to ``is_causal=True``: query
+#: ``i`` keeps keys ``i - w < j <= i`` (top-left). Only sites with ``spec.window`` pass it. Candidates
+#: registered with ``windowed=True`` skip the hidden blocks; the others receive the band as a
+#: boolean ``attn_mask`` (:func:`window_keep`) and ``is_causal=False``, so SDPA serves it exactly.
+
+
+def window_keep(tq: int, tk: int, window: int, device: torch.device | str) -> torch.Tensor:
+    """``(tq, tk)`` bool keep-mask of the top-left causal window: ``0 <= i - j < window``."""
+    i = torch.arange(tq, device=device)[:, None]
+    j = torch.arange(tk, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+def _window_as_mask(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> dict:
+    """``kwargs`` with ``window=`` turned into SDPA's terms (a bool mask, ``is_causal=False``)."""
+    kwargs = dict(kwargs)
+    window = kwargs.pop("window", None)
+    if window is None:
+        return kwargs
+    if not kwargs.get("is_causal"):
+        raise ValueError("window= needs is_causal=True (a causal sliding window)")
+    keep = window_keep(q.size(-2), k.size(-2), int(window), q.device)
+    mask = kwargs.get("attn_mask")
+    if mask is None:
+        kwargs["attn_mask"] = keep
+    elif mask.dtype == torch.bool:
+        kwargs["attn_mask"] = mask & keep
+    else:
+        kwargs["attn_mask"] = mask.masked_fill(~keep, float("-inf"))
+    kwargs["is_causal"] = False
+    return kwargs
+
 
 class Candidate(Protocol):
     name: str
@@ -45,7 +77,7 @@ class Candidate(Protocol):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
-                 enable_gqa: bool, score_mod: ScoreMod | None = None) -> torch.Tensor: ...
+                 enable_gqa: bool, score_mod: ScoreMod | None = None, window: int | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -58,6 +90,7 @@ class FunctionCandidate:
     description: str = ""
     devices: tuple[str, ...] = ()  # device types it runs on; empty: any
     costly: bool = False  # compiles per shape (seconds): the selector tries it only where nothing cheaper serves
+    windowed: bool = False  # takes ``window=`` itself (else the window arrives as a bool mask)
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)
@@ -68,6 +101,8 @@ class FunctionCandidate:
         return None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        if "window" in kwargs and not self.windowed:
+            kwargs = _window_as_mask(q, k, kwargs)
         return self.fn(q, k, v, **kwargs)
 
 
@@ -114,10 +149,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         is_causal: bool = False, scale: float | None = None,
-                        enable_gqa: bool = False, score_mod: ScoreMod | None = None) -> torch.Tensor:
+                        enable_gqa: bool = False, score_mod: ScoreMod | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """The plain computation SDPA documents, written out: the ``math`` candidate.
 
-    ``score_mod`` (FlexAttention's signature) is applied to the scaled scores before the mask.
+    ``score_mod`` (FlexAttention's signature) is applied to the scaled scores before the mask;
+    ``window`` (with ``is_causal``) also hides keys ``window`` or more positions behind the query.
     """
     tq, tk = q.size(-2), k.size(-2)
     scale = q.size(-1) ** -0.5 if scale is None else scale
@@ -130,8 +167,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         b, h, qi, ki = (torch.arange(n, device=q.device) for n in scores.shape)
         scores = score_mod(scores, b[:, None, None, None], h[None, :, None, None], qi[None, None, :, None],
                            ki[None, None, None, :])
+    if window is not None and not is_causal:
+        raise ValueError("window= needs is_causal=True (a causal sliding window)")
     if is_causal:
-        keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril() if window is None \
+            else window_keep(tq, tk, window, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -163,6 +203,6 @@ for _name, _backend, _devices in (("sdpa_flash", "FLASH_ATTENTION", ("cpu", "cud
                                              f"SDPA restricted to its {_backend.lower()} backend", _devices))
 
 register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
-                                     "softmax(scale * q @ k^T + mask) @ v written out"))
+                                     "softmax(scale * q @ k^T + mask) @ v written out", windowed=True))
 
 from . import kernels  # noqa: E402,F401 - registers the kernels' candidates (they import this module)

@@ -29,7 +29,9 @@ softmax    ``(x, dim, dtype)`` with ``dim`` normalised to non-negative
 cast       ``(x,)``: a dtype conversion; the target dtype is read from the node's meta
 identity   ``(x,)``: ``contiguous``/``clone``: same values
 dropout    ``(x, p, mode)`` with mode ``"on"``, ``"off"`` or ``"module"`` (nn.Dropout's flag)
-eq / ne    ``(a, b)``
+eq / ne    ``(a, b)``; also ``le``, ``lt``, ``ge``, ``gt`` (comparisons, as in masks built from indices)
+and / or   ``(a, b)``: ``&``, ``|``, ``logical_and``, ``bitwise_or``, ...
+sub        ``(a, b)``: ``a - b`` (index arithmetic in masks)
 not        ``(x,)``
 tril/triu  ``(x, diagonal)``
 getitem    ``(x, index)``
@@ -429,7 +431,15 @@ _FUNCTIONS: dict[Any, Reader] = {
     aten.alias.default: _identity, aten.clone.default: _identity, aten.contiguous.default: _identity,
     F.dropout: _dropout_fn, torch.dropout: _dropout_fn, aten.dropout.default: _dropout_fn,
     operator.eq: _binary("eq"), torch.eq: _binary("eq"), aten.eq.Scalar: _binary("eq"), aten.eq.Tensor: _binary("eq"),
-    operator.ne: _binary("ne"), torch.ne: _binary("ne"), aten.ne.Scalar: _binary("ne"),
+    operator.ne: _binary("ne"), torch.ne: _binary("ne"), aten.ne.Scalar: _binary("ne"), aten.ne.Tensor: _binary("ne"),
+    **{f: _binary(name) for name in ("le", "lt", "ge", "gt")
+       for f in (getattr(operator, name), getattr(torch, name), getattr(aten, name).Tensor,
+                 getattr(aten, name).Scalar)},
+    operator.and_: _binary("and"), torch.logical_and: _binary("and"), torch.bitwise_and: _binary("and"),
+    aten.logical_and.default: _binary("and"), aten.bitwise_and.Tensor: _binary("and"),
+    operator.or_: _binary("or"), torch.logical_or: _binary("or"), torch.bitwise_or: _binary("or"),
+    aten.logical_or.default: _binary("or"), aten.bitwise_or.Tensor: _binary("or"),
+    operator.sub: _scale_or_binary("sub"), torch.sub: _scale_or_binary("sub"), aten.sub.Tensor: _scale_or_binary("sub"),
     operator.invert: _not, torch.logical_not: _not, torch.bitwise_not: _not,
     aten.logical_not.default: _not, aten.bitwise_not.default: _not,
     torch.tril: _tri("tril"), torch.triu: _tri("triu"),
@@ -458,7 +468,11 @@ _METHODS: dict[str, Reader] = {
     "to": _cast, "float": _cast, "half": _cast, "bfloat16": _cast, "double": _cast, "bool": _cast,
     "type": _cast, "type_as": _cast,
     "contiguous": _identity, "clone": _identity,
-    "eq": _binary("eq"), "__eq__": _binary("eq"), "ne": _binary("ne"),
+    "eq": _binary("eq"), "__eq__": _binary("eq"), "ne": _binary("ne"), "__ne__": _binary("ne"),
+    **{m: _binary(name) for name in ("le", "lt", "ge", "gt") for m in (name, f"__{name}__")},
+    "logical_and": _binary("and"), "bitwise_and": _binary("and"), "__and__": _binary("and"),
+    "logical_or": _binary("or"), "bitwise_or": _binary("or"), "__or__": _binary("or"),
+    "sub": _scale_or_binary("sub"), "__sub__": _scale_or_binary("sub"),
     "logical_not": _not, "bitwise_not": _not, "__invert__": _not,
     "tril": _tri("tril"), "triu": _tri("triu"),
     "view": _view, "reshape": _view, "unsqueeze": _view, "expand": _view,
@@ -573,6 +587,8 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
                     value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
                     if value is node:
                         return True
+        if getattr(user.target, "__module__", None) in ("_operator", "operator"):
+            return False  # operator.and_/or_ are `&`/`|`, not in-place methods
         name = getattr(user.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_") and bool(user.args) and user.args[0] is node
     return False

@@ -403,6 +403,8 @@ def _not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | Non
         return "has active dropout (call model.eval() before generating)"
     if spec.score_mod is not None:
         return f"modifies its scores ({spec.score_mod})"
+    if spec.window is not None:
+        return f"attends through a sliding window of {spec.window} keys, which the cache does not apply yet"
     if spec.fill_value is not None:
         return (f"fills masked scores with the finite value {spec.fill_value:g}, which is exact only under a "
                 "per-call bound the cache does not check")

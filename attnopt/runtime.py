@@ -7,7 +7,8 @@ run-time numbers). The module
 * brings q, k, v to 4-D and v to q's dtype (the products' dtype as written),
 * uses ``is_causal=True`` only when the mask was proven causal, the buffers that proof read
   are unchanged (:class:`BufferGuard`), and the alignment matches SDPA's top-left causal
-  mask (bottom-right masks only when ``Tq == Tk``); otherwise the mask tensor is passed,
+  mask (bottom-right masks only when ``Tq == Tk``); otherwise the mask tensor is passed.
+  A proven sliding window adds ``window=w`` (see :mod:`attnopt.candidates`),
 * applies dropout exactly when the original would (``nn.Dropout`` replaced: in training mode),
 * restores NaN rows where every key was masked with ``-inf`` (the original's result), and rows where every key holds the
   dtype's minimum (uniform attention as written; see ``AttentionSpec.min_rows``),
@@ -50,13 +51,30 @@ def _tracing(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-def is_lower_pattern(t: torch.Tensor, below: float, above: float) -> bool:
-    """``t``'s last two dims hold ``below`` on and under the diagonal, ``above`` over it (leading dims 1)."""
+def band_pattern(t: torch.Tensor, max_cuts: int = 4) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
+    """``(cuts, values)`` when ``t``'s last two dims depend only on ``j - i`` (leading dims 1), else None."""
+    if t.dim() < 2 or any(s != 1 for s in t.shape[:-2]):
+        return None
     t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
-    lower = torch.ones_like(t2, dtype=torch.bool).tril()
-    expected = torch.where(lower, torch.tensor(below, dtype=t2.dtype, device=t2.device),
-                           torch.tensor(above, dtype=t2.dtype, device=t2.device))
-    return bool(torch.equal(t2, expected))
+    n, m = t2.shape
+    if n < 1 or m < 1:
+        return None
+    per_diag = torch.cat([t2[1:, 0].flip(0), t2[0, :]])  # d = -(n-1) .. m-1
+    i = torch.arange(n, device=t2.device)[:, None]
+    j = torch.arange(m, device=t2.device)[None, :]
+    if not torch.equal(per_diag[j - i + n - 1], t2):
+        return None
+    change = (per_diag[1:] != per_diag[:-1]).nonzero().flatten().tolist()
+    if len(change) > max_cuts:
+        return None
+    cuts = tuple(int(c) - (n - 1) for c in change)  # d <= cut keeps the value before the change
+    values = tuple(per_diag[[0] + [c + 1 for c in change]].tolist())
+    return cuts, values
+
+
+def is_band(t: torch.Tensor, cuts: tuple[int, ...], values: tuple[Any, ...]) -> bool:
+    """``t`` holds exactly the band ``(cuts, values)`` (see :func:`band_pattern`)."""
+    return band_pattern(t, max_cuts=len(cuts)) == (tuple(cuts), tuple(values))
 
 
 def candidate_layout(q: torch.Tensor, k: torch.Tensor,
@@ -72,33 +90,34 @@ def candidate_layout(q: torch.Tensor, k: torch.Tensor,
 
 @dataclass
 class BufferGuard:
-    """Checks that a buffer a causal proof read still holds the proven lower-triangular pattern.
+    """Checks that a buffer a causal proof read still holds the proven band pattern.
 
-    The cheap check is the tensor's storage pointer and version counter (bumped by every
-    in-place write). When either moved, the pattern is checked again on the new values
-    once; if it no longer holds, the site passes the mask tensor instead of ``is_causal``.
+    The pattern is the buffer's own ``(cuts, values)`` (see :func:`attnopt.passes.masks.band_pattern`):
+    lower-triangular for nanoGPT's ``tril(ones)``, a band for a sliding window. The cheap check
+    is the tensor's storage pointer and version counter (bumped by every in-place write). When
+    either moved, the pattern is checked again on the new values once; if it no longer holds,
+    the site passes the mask tensor instead of ``is_causal``.
     """
 
     data_ptr: int
     version: int
-    below: float
-    above: float
+    cuts: tuple[Any, ...]
+    values: tuple[Any, ...]
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> BufferGuard:
-        t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
-        return cls(t.data_ptr(), t._version, t2[0, 0].item(), t2[0, 1].item())
+    def of(cls, t: torch.Tensor, cuts: tuple[Any, ...], values: tuple[Any, ...]) -> BufferGuard:
+        return cls(t.data_ptr(), t._version, tuple(cuts), tuple(values))
 
     def holds(self, t: torch.Tensor) -> bool:
         if t.requires_grad:
             return False  # is_causal would drop the gradient that reaches this tensor through the mask
         if t.data_ptr() == self.data_ptr and t._version == self.version:
             return True
-        ok = is_lower_pattern(t, self.below, self.above)
+        ok = is_band(t, self.cuts, self.values)
         if ok:
             self.data_ptr, self.version = t.data_ptr(), t._version
         else:
-            warnings.warn("attnopt: a causal mask buffer changed and is no longer lower-triangular; "
+            warnings.warn("attnopt: a causal mask buffer changed and no longer holds the proven causal pattern; "
                           "the site now passes the mask tensor to SDPA", stacklevel=3)
         return ok
 
@@ -138,10 +157,14 @@ class AttentionSite(nn.Module):
         use_causal = False
         if spec.causal is not None:
             aligned = spec.causal == "top_left" or q.size(-2) == k.size(-2)
-            use_causal = aligned and self._guards_hold(guarded)
+            # a top-left window keeps key i in row i only for rows i < Tk; later rows take the mask tensor
+            whole = spec.window is None or q.size(-2) <= k.size(-2)
+            use_causal = aligned and whole and self._guards_hold(guarded)
         dropout_active = spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training)
         kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=scale,
                       dropout_p=p if dropout_active else 0.0, enable_gqa=spec.gqa)
+        if use_causal and spec.window is not None:
+            kwargs["window"] = spec.window
         if self.score_mod is not None:
             kwargs["score_mod"] = self.score_mod
         min_rows = None

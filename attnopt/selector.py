@@ -116,6 +116,7 @@ class ShapeKey:
     gqa: bool
     dropout: bool
     grad: bool
+    window: int = 0  # a causal sliding window's width (0: none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,7 +124,8 @@ class ShapeKey:
     def describe(self) -> str:
         heads = f"H={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
         kind = "bool" if self.mask == "bool" else "additive"
-        flags = (("causal", self.causal), (f"{kind} mask", self.mask != "none" and not self.causal),
+        flags = (("causal", self.causal), (f"window {self.window}", bool(self.window)),
+                 (f"{kind} mask", self.mask != "none" and not self.causal),
                  ("dropout", self.dropout), ("grad", self.grad), (self.score_mod, bool(self.score_mod)))
         extra = [x for x, on in flags if on]
         return (f"B={self.batch} {heads} Tq<={self.tq} Tk<={self.tk} D={self.head_dim} "
@@ -137,7 +139,7 @@ def shape_key(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     layout = "" if mask is None else ",".join("1" if n == 1 else "n" for n in (1,) * (4 - mask.dim()) + mask.shape)
     return ShapeKey(int(q.size(0)), int(q.size(1)), int(k.size(1)), _bucket(int(q.size(2))), _bucket(int(k.size(2))),
                     int(q.size(3)), int(v.size(3)), str(q.dtype), q.device.type, mask_kind, layout, causal,
-                    spec.score_mod or "", spec.gqa, dropout, grad)
+                    spec.score_mod or "", spec.gqa, dropout, grad, (spec.window or 0) if causal else 0)
 
 
 def default_timer(name: str, run: Callable[[], Any], device: torch.device | None = None) -> float:

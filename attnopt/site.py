@@ -52,6 +52,10 @@ class AttentionSpec:
             as the dtype's minimum, which equals the fill as written only when every kept score
             provably dwarfs it; the site checks that bound on every call and otherwise computes
             the fill as written (see ``passes/rewrite_sdpa.BoundedFillSite``).
+        window: with ``causal``, a sliding window: each query keeps only the ``window`` most recent
+            keys (``0 <= q_idx - kv_idx < window`` in the causal alignment). Candidates that know
+            windows (FlexAttention as a ``block_mask``, the tiled kernel) skip the rest; others get
+            the band as a boolean mask.
         gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
             ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
@@ -74,6 +78,7 @@ class AttentionSpec:
     min_rows: str = "none"
     score_mod: str | None = None
     fill_value: float | None = None
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -84,6 +89,9 @@ class AttentionSpec:
             raise ValueError(f"min_rows must be 'none', 'mean' or 'math', got {self.min_rows!r}")
         if self.dropout_mode not in ("off", "on", "module"):
             raise ValueError(f"dropout_mode must be 'off', 'on' or 'module', got {self.dropout_mode!r}")
+        if self.window is not None and (self.causal is None or not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"window must be a positive int on a causal site, got {self.window!r} "
+                             f"(causal={self.causal!r})")
         if not (isinstance(self.scale, float) and math.isfinite(self.scale)):
             raise ValueError(f"scale must be a finite float, got {self.scale!r}")
 
@@ -91,6 +99,8 @@ class AttentionSpec:
         parts = [f"scale={self.scale:.6g}" + (" x run-time value" if self.runtime_scale else "")]
         if self.causal:
             parts.append(f"causal ({self.causal.replace('_', '-')})")
+            if self.window is not None:
+                parts.append(f"sliding window {self.window}")
         elif self.mask != "none" and self.fill_value is None:
             parts.append(f"{self.mask} mask")
         if self.fill_value is not None:

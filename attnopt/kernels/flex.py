@@ -5,7 +5,8 @@ e.g. tanh soft-capping ``c * tanh(s / c)``), with FlexAttention's signature
 ``score_mod(score, b, h, q_idx, kv_idx)``. The call has SDPA's keyword interface:
 
 * ``is_causal=True`` becomes a ``block_mask`` (``create_block_mask`` with ``q_idx >= kv_idx``,
-  top-left like SDPA), cached per ``(Tq, Tk, device)``, so fully masked blocks are skipped;
+  top-left like SDPA; with ``window=w`` also ``q_idx - kv_idx < w``, a sliding window), cached per
+  ``(Tq, Tk, device, window)``, so fully masked blocks are skipped;
 * any other ``attn_mask`` tensor is applied inside the score modifier after the site's own
   modifier (``where(mask, s, -inf)`` for a bool mask, ``s + mask`` for an additive one), which is
   the order ``reference_attention`` defines;
@@ -57,9 +58,17 @@ def _causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch
     return q_idx >= kv_idx
 
 
+def _window(width: int) -> Callable[..., torch.Tensor]:
+    def sliding(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < width)
+
+    return sliding
+
+
 @functools.lru_cache(maxsize=32)
-def _causal_block_mask(tq: int, tk: int, device: str) -> Any:
-    return create_block_mask(_causal, B=None, H=None, Q_LEN=tq, KV_LEN=tk, device=device)
+def _causal_block_mask(tq: int, tk: int, device: str, window: int | None = None) -> Any:
+    mask_mod = _causal if window is None else _window(window)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=tq, KV_LEN=tk, device=device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +98,8 @@ def _with_mask(score_mod: ScoreMod | None, mask: torch.Tensor, shape: tuple[int,
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-         score_mod: ScoreMod | None = None) -> torch.Tensor:
-    """SDPA's interface on FlexAttention, plus ``score_mod`` (see the module docstring)."""
+         score_mod: ScoreMod | None = None, window: int | None = None) -> torch.Tensor:
+    """SDPA's interface on FlexAttention, plus ``score_mod`` and ``window`` (see the module docstring)."""
     if dropout_p > 0:
         raise ValueError("the flex candidate has no dropout; use the sdpa or math candidate for this site")
     if flex_attention is None:
@@ -99,9 +108,11 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.
         attn_mask is not None and attn_mask.requires_grad)
     if needs_grad and q.device.type == "cpu":  # no FlexAttention backward on CPU in this torch
         return reference_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                   enable_gqa=enable_gqa, score_mod=score_mod)
+                                   enable_gqa=enable_gqa, score_mod=score_mod, window=window)
+    if window is not None and not is_causal:
+        raise ValueError("window= needs is_causal=True (a causal sliding window)")
     tq, tk = q.size(-2), k.size(-2)
-    block_mask = _causal_block_mask(tq, tk, str(q.device)) if is_causal else None
+    block_mask = _causal_block_mask(tq, tk, str(q.device), window) if is_causal else None
     mod = score_mod
     if attn_mask is not None:
         mod = _with_mask(score_mod, attn_mask, (q.size(0), q.size(1), tq, tk))
@@ -114,7 +125,7 @@ class FlexCandidate:
     """The ``flex`` candidate: FlexAttention, compiled, with SDPA's keyword interface."""
 
     name: str = "flex"
-    description: str = "torch.nn.attention.flex_attention, compiled (score_mod, causal block_mask)"
+    description: str = "torch.nn.attention.flex_attention, compiled (score_mod, causal/sliding-window block_mask)"
     costly: bool = True  # compiles per shape (seconds on CPU): the selector tries it only where nothing cheaper serves
 
     def supports(self, spec: AttentionSpec) -> str | None:

@@ -418,9 +418,11 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
         gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
         score_mod=score_mod.describe() if score_mod is not None else None, fill_value=plan.bound_fill,
+        window=plan.window,
     )
     if plan.kind != "none":
-        record.spelling.append(f"mask({plan.fill_spelling}{', causal' if plan.causal else ''})")
+        shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"
+        record.spelling.append(f"mask({plan.fill_spelling}{shape})")
     internal.extend([softmax, pv])
     return Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
                  v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,

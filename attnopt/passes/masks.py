@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..canon import attr_value, dtype_of, meta_value, mutated, read, shape_of
-from ..runtime import is_lower_pattern
+from ..runtime import band_pattern
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,44 @@ class MaskPlan:
     min_rows: str = "none"  # see AttentionSpec.min_rows
     fill_spelling: str = ""
     bound_fill: float | None = None  # a finite fill (-1e4, -100): exact under a bound checked per call
+    window: int | None = None  # with ``causal``: keys at most ``window - 1`` behind the query are kept
+    patterns: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list)  # per guarded buffer
 
 
 @dataclass(frozen=True)
 class Band:
+    """A tensor whose leading dims are 1 and whose element ``[i, j]`` depends only on ``d = j - i``.
+
+    ``values[n]`` holds where exactly ``n`` of the ascending ``cuts`` are below ``d``: ``values[0]``
+    for ``d <= cuts[0]``, ``values[1]`` for ``cuts[0] < d <= cuts[1]``, ..., ``values[-1]`` above the
+    last cut. A lower-triangular keep-mask is ``Band(T, T, (0,), (True, False))``; a causal sliding
+    window of width ``w`` is ``Band(T, T, (-w, 0), (False, True, False))``. Cuts may be symbolic
+    (a bottom-right slice shifts them by ``Tk - Tq``); their order must be provable.
+    """
+
     rows: Any
     cols: Any
-    offset: Any
-    below: Any
-    above: Any
+    cuts: tuple[Any, ...]
+    values: tuple[Any, ...]
+
+    @classmethod
+    def const(cls, rows: Any, cols: Any, value: Any) -> Band:
+        return cls(rows, cols, (), (value,))
+
+    def map(self, f: Any) -> Band:
+        return _normal(Band(self.rows, self.cols, self.cuts, tuple(f(v) for v in self.values)))
+
+    def shifted(self, by: Any, rows: Any, cols: Any) -> Band:
+        return Band(rows, cols, tuple(c + by for c in self.cuts), self.values)
+
+
+@dataclass(frozen=True)
+class _Affine:
+    """An integer tensor whose element is ``const + sum(coef[d] * index[d])`` (``arange`` and its views)."""
+
+    shape: tuple[Any, ...]
+    coef: tuple[Any, ...]  # 0 on size-1 dims
+    const: Any
 
 
 class _Unknown(Exception):
@@ -82,6 +111,57 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _less(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a < b
+    try:
+        return bool(statically_known_true(a < b))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _order(a: Any, b: Any) -> int:
+    """-1, 0 or 1 as ``a`` is provably below, equal to or above ``b``; raises when unprovable."""
+    if _same(a, b):
+        return 0
+    if _less(a, b):
+        return -1
+    if _less(b, a):
+        return 1
+    raise _Unknown
+
+
+def _normal(b: Band) -> Band:
+    """Drop cuts with equal values on both sides."""
+    cuts, values = [], [b.values[0]]
+    for c, v in zip(b.cuts, b.values[1:]):
+        if v == values[-1] and type(v) is type(values[-1]):
+            continue
+        cuts.append(c)
+        values.append(v)
+    return Band(b.rows, b.cols, tuple(cuts), tuple(values))
+
+
+def _merge(a: Band, b: Band, f: Any) -> Band:
+    """The band of ``f(a[i, j], b[i, j])`` (cuts of both, in proven order)."""
+    cuts: list[Any] = []
+    for c in (*a.cuts, *b.cuts):
+        pos = 0
+        while pos < len(cuts) and _order(cuts[pos], c) < 0:
+            pos += 1
+        if pos < len(cuts) and _order(cuts[pos], c) == 0:
+            continue
+        cuts.insert(pos, c)
+
+    def at(band: Band, lower: Any) -> Any:  # value in the region just above cut `lower` (None: the lowest)
+        if lower is None:
+            return band.values[0]
+        return band.values[sum(1 for c in band.cuts if _order(c, lower) <= 0)]
+
+    values = tuple(f(at(a, lo), at(b, lo)) for lo in (None, *cuts))
+    return _normal(Band(a.rows, a.cols, tuple(cuts), values))
+
+
 def _value(x: Any) -> Any:
     """Python or symbolic value of an argument (node meta for nodes)."""
     if isinstance(x, fx.Node):
@@ -92,13 +172,26 @@ def _value(x: Any) -> Any:
     return x
 
 
+_COMPARE = {"le": lambda x, y: x <= y, "lt": lambda x, y: x < y, "ge": lambda x, y: x >= y,
+            "gt": lambda x, y: x > y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y}
+_COMBINE = {"and": lambda x, y: bool(x) and bool(y), "or": lambda x, y: bool(x) or bool(y),
+            "add": lambda x, y: x + y, "mul": lambda x, y: x * y}
+
+
 class BandReader:
-    """Abstract interpreter from mask-subgraph nodes to :class:`Band` values."""
+    """Abstract interpreter from mask-subgraph nodes to :class:`Band` values.
+
+    Reads constants and buffers (``tril``/``triu``, ``ones``, ``full``), index arithmetic
+    (``arange(T)[:, None] >= arange(T)[None, :]``, ``q_idx - kv_idx < w``), comparisons, ``~``,
+    ``&``, ``|``, ``where``/``masked_fill`` of constants, casts and slices of the last two dims.
+    Anything else raises ``_Unknown``.
+    """
 
     def __init__(self, root: torch.nn.Module, concrete: dict[fx.Node, torch.Tensor]):
         self.root = root
         self.concrete = concrete
         self.guarded: list[fx.Node] = []
+        self.patterns: dict[fx.Node, Band] = {}  # guarded buffer -> its band over the whole buffer
 
     def band(self, node: Any) -> Band:
         if not isinstance(node, fx.Node) or mutated(node):
@@ -119,29 +212,33 @@ class BandReader:
             fill = _value(op.args[0])
             if not isinstance(fill, (int, float, bool)):
                 raise _Unknown
-            return _convert(Band(rows, cols, 0, fill, fill), dtype_of(node))  # ones(.., dtype=bool): True
+            return _convert(Band.const(rows, cols, fill), dtype_of(node))  # ones(.., dtype=bool): True
         if k in ("tril", "triu"):
-            src = self.band(op.args[0])
-            if src.below != src.above:
-                raise _Unknown
+            src = self._operand(op.args[0], rows, cols)
             diag = _value(op.args[1])
-            zero = False if isinstance(src.below, bool) else 0
-            if k == "tril":
-                return Band(rows, cols, diag, src.below, zero)
-            return Band(rows, cols, diag - 1, zero, src.below)
-        if k in ("eq", "ne"):
-            src, other = op.args
-            if isinstance(src, fx.Node) and not isinstance(other, fx.Node):
-                b, s = self.band(src), _value(other)
-            else:
-                raise _Unknown
-            f = (lambda v: v == s) if k == "eq" else (lambda v: v != s)
-            return Band(rows, cols, b.offset, bool(f(b.below)), bool(f(b.above)))
+            zero = False if src.values and isinstance(src.values[0], bool) else 0
+            if k == "tril":  # keep d <= diag
+                return _merge(src, Band(rows, cols, (diag,), (True, False)), lambda x, m: x if m else zero)
+            return _merge(src, Band(rows, cols, (diag - 1,), (False, True)), lambda x, m: x if m else zero)
+        if k in _COMPARE:
+            return self._compare(k, op.args[0], op.args[1], rows, cols)
         if k == "not":
             b = self.band(op.args[0])
-            if not (isinstance(b.below, bool) and isinstance(b.above, bool)):
+            if not all(isinstance(v, bool) for v in b.values):
                 raise _Unknown
-            return Band(rows, cols, b.offset, not b.below, not b.above)
+            return b.map(lambda v: not v)
+        if k in _COMBINE:
+            a, c = op.args
+            if k in ("add", "mul") and not (isinstance(a, fx.Node) and isinstance(c, fx.Node)):
+                raise _Unknown
+            return _convert(_merge(self._operand(a, rows, cols), self._operand(c, rows, cols), _COMBINE[k]),
+                            dtype_of(node))
+        if k in ("where", "masked_fill"):
+            cond, yes, no = (op.args if k == "where" else (op.args[1], op.args[2], op.args[0]))
+            merged = _merge(self._operand(cond, rows, cols), self._operand(yes, rows, cols),
+                            lambda c, y: (bool(c), y))
+            return _convert(_merge(merged, self._operand(no, rows, cols), lambda cy, n: cy[1] if cy[0] else n),
+                            dtype_of(node))
         if k in ("cast", "identity", "view"):
             b = self.band(op.args[0])
             if not (_same(b.rows, rows) and _same(b.cols, cols)):
@@ -149,6 +246,123 @@ class BandReader:
             return _convert(b, dtype_of(node))
         if k == "getitem":
             return self._slice(node, op.args[0], op.args[1], rows, cols)
+        raise _Unknown
+
+    def _operand(self, x: Any, rows: Any, cols: Any) -> Band:
+        """A node's band, or a number as a constant band."""
+        if isinstance(x, fx.Node):
+            if shape_of(x) is not None and len(shape_of(x) or ()) == 0:
+                raise _Unknown  # a 0-d tensor: its value is not known at capture
+            b = self.band(x)
+            if not ((_same(b.rows, rows) or _same(b.rows, 1)) and (_same(b.cols, cols) or _same(b.cols, 1))):
+                raise _Unknown
+            if (_same(b.rows, 1) and not _same(rows, 1)) or (_same(b.cols, 1) and not _same(cols, 1)):
+                if b.cuts:
+                    raise _Unknown  # a broadcast row or column is constant only if the band is
+            return b
+        v = _value(x)
+        if not isinstance(v, (int, float, bool)):
+            raise _Unknown
+        return Band.const(rows, cols, v)
+
+    def _compare(self, k: str, a: Any, b: Any, rows: Any, cols: Any) -> Band:
+        """``a <op> b`` where both sides are index arithmetic (or one is a band and the other a number)."""
+        try:
+            diff = self._affine_diff(a, b)
+        except _Unknown:
+            if isinstance(a, fx.Node) and not isinstance(b, fx.Node):
+                s = _value(b)
+                return self.band(a).map(lambda v: bool(_COMPARE[k](v, s)))
+            raise
+        ci, cj, c = diff  # a - b = ci * i + cj * j + c
+        if ci == 0 and cj == 0:
+            if not isinstance(c, int):
+                raise _Unknown
+            return Band.const(rows, cols, bool(_COMPARE[k](c, 0)))
+        if not (ci == -cj and ci in (1, -1)):
+            raise _Unknown
+        # a - b = s * (i - j) + c = -s * d + c with d = j - i
+        s = ci
+        if k in ("eq", "ne"):
+            target = c * s  # d == c * s  (s = +-1)
+            band = Band(rows, cols, (target - 1, target), (False, True, False))
+            return band if k == "eq" else band.map(lambda v: not v)
+        # Normalise to  d <= t  (True below) or  d > t  (True above).
+        if s == 1:  # -d + c  <op>  0
+            table = {"le": ("above_eq", c), "lt": ("above", c), "ge": ("below_eq", c), "gt": ("below", c)}
+        else:  # d + c <op> 0
+            table = {"le": ("below_eq", -c), "lt": ("below", -c), "ge": ("above_eq", -c), "gt": ("above", -c)}
+        how, t = table[k]
+        if how == "below_eq":  # d <= t
+            return Band(rows, cols, (t,), (True, False))
+        if how == "below":  # d < t  <=>  d <= t - 1
+            return Band(rows, cols, (t - 1,), (True, False))
+        if how == "above_eq":  # d >= t  <=>  d > t - 1
+            return Band(rows, cols, (t - 1,), (False, True))
+        return Band(rows, cols, (t,), (False, True))  # d > t
+
+    def _affine_diff(self, a: Any, b: Any) -> tuple[Any, Any, Any]:
+        """``a - b`` as ``(coef of the row index, coef of the column index, constant)``."""
+        x = self._affine_or_number(a)
+        y = self._affine_or_number(b)
+        if not isinstance(x, _Affine) and not isinstance(y, _Affine):
+            raise _Unknown
+        d = _affine_sum(x, y, -1)
+        nd = len(d.shape)
+        if nd < 2 or any(c != 0 for c in d.coef[:-2]):
+            if nd == 1 and d.coef[0] == 0:
+                return 0, 0, d.const
+            raise _Unknown
+        return d.coef[-2], d.coef[-1], d.const
+
+    def _affine_or_number(self, x: Any) -> Any:
+        if isinstance(x, fx.Node) and not isinstance(meta_value(x), torch.Tensor):
+            return _value(x)
+        if isinstance(x, fx.Node):
+            return self.affine(x)
+        return _value(x)
+
+    def affine(self, node: fx.Node) -> _Affine:
+        """``node`` as index arithmetic over ``arange``."""
+        if mutated(node):
+            raise _Unknown
+        dt = dtype_of(node)
+        if dt is None or dt.is_floating_point or dt == torch.bool or dt.is_complex:
+            raise _Unknown
+        shape = shape_of(node)
+        if shape is None:
+            raise _Unknown
+        if node.op == "call_function" and node.target in _ARANGE:
+            args = [_value(a) for a in node.args]
+            if len(args) == 1:
+                start, step = 0, 1
+            elif len(args) == 2:
+                start, step = args[0], 1
+            else:
+                start, step = args[0], args[2]
+            if not isinstance(step, int) or node.kwargs.get("start") is not None or "step" in node.kwargs:
+                raise _Unknown
+            return _Affine(tuple(shape), (step,), start)
+        op = read(node, self.root)
+        if op is None:
+            raise _Unknown
+        if op.kind in ("add", "sub") or (op.kind == "scale" and op.args[2] == "mul"):
+            if op.kind == "scale":
+                x, factor = self.affine(op.args[0]), _value(op.args[1])
+                if not isinstance(factor, int):
+                    raise _Unknown
+                return _Affine(x.shape, tuple(c * factor for c in x.coef), x.const * factor)
+            left, right = self._affine_or_number(op.args[0]), self._affine_or_number(op.args[1])
+            out = _affine_sum(left, right, 1 if op.kind == "add" else -1)
+            if tuple(out.shape) != tuple(shape) and not all(_same(p, r) for p, r in zip(out.shape, shape)):
+                raise _Unknown
+            return out
+        if op.kind in ("cast", "identity"):
+            return self.affine(op.args[0])
+        if op.kind == "view":
+            return _reshaped(self.affine(op.args[0]), tuple(shape), node)
+        if op.kind == "getitem":
+            return _indexed(self.affine(op.args[0]), op.args[1], tuple(shape))
         raise _Unknown
 
     def _buffer(self, node: fx.Node, rows: Any, cols: Any) -> Band:
@@ -159,15 +373,13 @@ class BandReader:
             raise _Unknown
         if t.requires_grad or getattr(meta_value(node), "requires_grad", False):
             raise _Unknown  # is_causal would drop the gradient that reaches this tensor through the mask
-        t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
-        n, m = t2.shape
-        if n < 1 or m < 2:
+        pattern = band_pattern(t)
+        if pattern is None:
             raise _Unknown
-        below, above = t2[0, 0].item(), t2[0, 1].item()
-        if below == above or not is_lower_pattern(t2, below, above):
-            raise _Unknown
+        cuts, values = pattern
         self.guarded.append(node)
-        return Band(rows, cols, 0, below, above)
+        self.patterns[node] = Band(rows, cols, cuts, values)
+        return Band(rows, cols, cuts, values)
 
     def _slice(self, node: fx.Node, src: Any, index: Any, rows: Any, cols: Any) -> Band:
         b = self.band(src)
@@ -192,16 +404,88 @@ class BandReader:
         c0 = 0 if c.start is None else _value(c.start)
         if (isinstance(r0, int) and r0 < 0) or (isinstance(c0, int) and c0 < 0):
             raise _Unknown
-        return Band(rows, cols, b.offset - c0 + r0, b.below, b.above)
+        return b.shifted(r0 - c0, rows, cols)
+
+
+_ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+           torch.ops.aten.arange.start_step)
+
+
+def _affine_sum(x: Any, y: Any, sign: int) -> _Affine:
+    """``x + sign * y`` for affine values or numbers, broadcast like tensors."""
+    if not isinstance(x, _Affine):
+        x = _Affine((), (), x)
+    if not isinstance(y, _Affine):
+        y = _Affine((), (), y)
+    n = max(len(x.shape), len(y.shape))
+    xs = (1,) * (n - len(x.shape)) + tuple(x.shape)
+    ys = (1,) * (n - len(y.shape)) + tuple(y.shape)
+    xc = (0,) * (n - len(x.coef)) + tuple(x.coef)
+    yc = (0,) * (n - len(y.coef)) + tuple(y.coef)
+    shape, coef = [], []
+    for a, b, ca, cb in zip(xs, ys, xc, yc):
+        if _same(a, b) or _same(b, 1):
+            shape.append(a)
+        elif _same(a, 1):
+            shape.append(b)
+        else:
+            raise _Unknown
+        coef.append((0 if _same(a, 1) else ca) + sign * (0 if _same(b, 1) else cb))
+    return _Affine(tuple(shape), tuple(coef), x.const + sign * y.const)
+
+
+def _reshaped(x: _Affine, shape: tuple[Any, ...], node: fx.Node) -> _Affine:
+    """A view that only adds, drops or expands size-1 dims."""
+    src = [(s, c) for s, c in zip(x.shape, x.coef) if not _same(s, 1)]
+    expand = node.target in ("expand", "broadcast_to", torch.broadcast_to, torch.ops.aten.expand.default)
+    coef = []
+    for n in shape:
+        if src and _same(src[0][0], n):
+            coef.append(src.pop(0)[1])
+        elif _same(n, 1) or expand:
+            coef.append(0)
+        else:
+            raise _Unknown
+    if src:
+        raise _Unknown
+    return _Affine(shape, tuple(coef), x.const)
+
+
+def _indexed(x: _Affine, index: Any, shape: tuple[Any, ...]) -> _Affine:
+    """``x[index]`` for slices, ``None`` and ``...``."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    n_real = sum(1 for e in index if e is not None and e is not Ellipsis)
+    if any(e is Ellipsis for e in index):
+        pos = index.index(Ellipsis)
+        index = index[:pos] + (slice(None),) * (len(x.shape) - n_real) + index[pos + 1:]
+    coef, const, dim = [], x.const, 0
+    for e in index:
+        if e is None:
+            coef.append(0)
+            continue
+        if not isinstance(e, slice) or dim >= len(x.shape):
+            raise _Unknown
+        start = 0 if e.start is None else _value(e.start)
+        step = 1 if e.step is None else _value(e.step)
+        if not isinstance(step, int) or (isinstance(start, int) and start < 0):
+            raise _Unknown
+        const = const + x.coef[dim] * start
+        coef.append(x.coef[dim] * step)
+        dim += 1
+    coef.extend(x.coef[dim:])
+    if len(coef) != len(shape):
+        raise _Unknown
+    return _Affine(shape, tuple(0 if _same(s, 1) else c for s, c in zip(shape, coef)), const)
 
 
 def _convert(b: Band, dtype: torch.dtype | None) -> Band:
     if dtype is None:
         return b
     if dtype == torch.bool:
-        return Band(b.rows, b.cols, b.offset, bool(b.below), bool(b.above))
+        return b.map(bool)
     if dtype.is_floating_point:
-        return Band(b.rows, b.cols, b.offset, float(b.below), float(b.above))
+        return b.map(float)
     return b
 
 
@@ -247,6 +531,49 @@ def _in_dtype(value: float, dtype: torch.dtype | None) -> float:
     return torch.tensor(value, dtype=dtype or torch.float32).item()
 
 
+def _keep_band(terms: list[Any], reader: BandReader, score_dtype: torch.dtype | None) -> Band:
+    """Where the terms together keep a key (True) as one band; raises ``_Unknown`` otherwise."""
+    keep: Band | None = None
+    for t in terms:
+        if isinstance(t, Fill):
+            b = reader.band(t.cond)
+            if not all(isinstance(v, bool) for v in b.values):
+                raise _Unknown
+            k = b if t.keep_when_true else b.map(lambda v: not v)
+        else:
+            b = reader.band(t.mask)
+            dt = dtype_of(t.mask) or score_dtype
+
+            def kept(v: Any, dt: torch.dtype | None = dt) -> bool:
+                if v == 0:
+                    return True
+                if isinstance(v, float) and _neg_large(v, dt) is not None:
+                    return False
+                raise _Unknown  # a bias, not a mask
+            k = Band(b.rows, b.cols, b.cuts, tuple(kept(v) for v in b.values))
+        keep = k if keep is None else _merge(keep, k, lambda x, y: x and y)
+    if keep is None:
+        raise _Unknown
+    return _normal(keep)
+
+
+def _causal_shape(keep: Band) -> tuple[Any, int | None]:
+    """``(hi, window)`` when ``keep`` is ``d <= hi`` (window None) or ``hi - window < d <= hi``."""
+    if keep.values == (True, False):
+        return keep.cuts[0], None
+    if keep.values == (False, True, False):
+        lo, hi = keep.cuts
+        width = hi - lo
+        if isinstance(width, int) and width >= 1:
+            return hi, width
+        try:
+            w = int(width)  # a symbolic difference that simplifies to a number
+        except (TypeError, ValueError):
+            return None, None
+        return (hi, w) if w >= 1 else (None, None)
+    return None, None
+
+
 def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | None,
               root: torch.nn.Module, concrete: dict[fx.Node, torch.Tensor]) -> MaskPlan | str:
     """Decide how SDPA receives the masks in ``terms``, or return why it cannot exactly."""
@@ -268,34 +595,32 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
         plan.fill_spelling = ", ".join("-inf" if isinstance(t, Fill) and t.value == -math.inf else
                                        "dtype min" if isinstance(t, Fill) else "added" for t in terms)
 
-    # Causal proof: exactly one term whose keep-pattern is a lower band over (tq, tk).
-    if len(terms) == 1:
-        reader = BandReader(root, concrete)
-        t = terms[0]
-        try:
-            if isinstance(t, Fill):
-                b = reader.band(t.cond)
-                keep_below = b.below if t.keep_when_true else not b.below
-                keep_above = b.above if t.keep_when_true else not b.above
-                ok = keep_below is True and keep_above is False
-            else:
-                b = reader.band(t.mask)
-                ok = (b.below == 0 and isinstance(b.above, float)
-                      and _neg_large(b.above, dtype_of(t.mask) or score_dtype) is not None)
-            if ok and _same(b.rows, tq) and _same(b.cols, tk):
-                if _same(b.offset, 0):
-                    plan.causal = "top_left"
-                elif _same(b.offset, tk - tq):
-                    plan.causal = "bottom_right"
-                plan.guarded = reader.guarded if plan.causal else []
-        except _Unknown:
-            pass
+    # Causal proof: the terms together keep exactly a lower band (causal) or a causal window.
+    reader = BandReader(root, concrete)
+    try:
+        keep = _keep_band(terms, reader, score_dtype)
+        if _same(keep.rows, tq) and _same(keep.cols, tk):
+            hi, window = _causal_shape(keep)
+            if hi is not None and _same(hi, 0):
+                plan.causal = "top_left"
+            elif hi is not None and _same(hi, tk - tq):
+                plan.causal = "bottom_right"
+            if plan.causal:
+                plan.window = window
+                plan.guarded = list(reader.guarded)
+                plan.patterns = [(reader.patterns[n].cuts, reader.patterns[n].values) for n in reader.guarded]
+    except _Unknown:
+        pass
+    if plan.window is not None and plan.bound_fill is not None:
+        plan.causal, plan.window, plan.guarded, plan.patterns = None, None, [], []  # the bounded site has no window
     # A row with every key masked by -inf is NaN as written; SDPA gives zeros there. Top-left
     # causal masks keep key 0 in every row, so only other masks need the NaN rows restored
     # (and guarded ones, for the run where the guard fails and the mask tensor is used).
     has_inf = any(isinstance(t, Fill) and t.value == -math.inf for t in terms) or any(
         isinstance(t, Add) for t in terms)
-    plan.nan_rows = has_inf and (plan.causal != "top_left" or bool(plan.guarded))
-    if plan.kind == "additive" and (plan.causal != "top_left" or plan.guarded):
+    # A top-left window keeps key i in row i only while i < Tk, so its mask tensor stays in play.
+    always_causal = plan.causal == "top_left" and not plan.guarded and plan.window is None
+    plan.nan_rows = has_inf and not always_causal
+    if plan.kind == "additive" and not always_causal:
         plan.min_rows = "mean" if all(isinstance(t, Fill) for t in terms) else "math"
     return plan

@@ -35,7 +35,7 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     plan = m.mask
     if plan.kind == "none":
         return None
-    if plan.causal == "top_left" and not plan.guarded:
+    if plan.causal == "top_left" and not plan.guarded and plan.window is None:
         return None  # structurally causal: is_causal=True always holds, no tensor needed
     mask: fx.Node | None = None
     if plan.kind == "bool":
@@ -80,11 +80,11 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             guards = []
             guard_nodes: list[fx.Node] = []
             if mask is not None:
-                for buf in m.mask.guarded:
+                for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns):
                     t = concrete.get(buf)
                     if t is None and buf.op == "get_attr":
                         t = attr_value(gm, str(buf.target))
-                    guards.append(BufferGuard.of(t))
+                    guards.append(BufferGuard.of(t, cuts, values))
                     guard_nodes.append(buf)
             scale: Any = None
             if m.scale_nodes:
