@@ -18,14 +18,14 @@ import torch.fx as fx
 from .candidates import get_candidate
 from .canon import meta_value
 from .config import OptimizeConfig
-from .passes.find_sites import Match, find_sites, unused_mha_weights
-from .passes.find_sites import _where as where
+from .passes.find_sites import Match, find_sites
+from .passes.mha import drop_unused_mha_weights
 from .passes.rewrite_sdpa import rewrite_sites
 from .passes.shapes import ensure_shapes
 from .passes.verify import compare_outputs
 from .runtime import AUTO, AttentionSite
 from .selector import Selector
-from .site import LEFT_ALONE, REWRITTEN, SiteRecord
+from .site import LEFT_ALONE, SiteRecord
 
 log = logging.getLogger("attnopt")
 
@@ -44,7 +44,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
     concrete = _bind(work, example_inputs)             # real buffer values, for causal-mask proofs
     found = find_sites(work, concrete)                 # canonicalise, match, prove: Match or near miss
     records = [f.record if isinstance(f, Match) else f for f in found]
-    records += _multihead_weights(work, config, len(records))  # nn.MultiheadAttention: weights discarded
+    records += drop_unused_mha_weights(work, config.candidate is not None, len(records))  # MHA weights unread
     for r in records:
         r.graph_id = graph_id
     chosen = _choose([f for f in found if isinstance(f, Match)], config, selector)  # legal candidates per site
@@ -59,39 +59,6 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
         log.info("graph %d %s [%s %s] %s: %s", graph_id, r.name, r.module_path, r.source, r.decision,
                  r.reason or r.rewrite)
     return work, records
-
-
-def _multihead_weights(gm: fx.GraphModule, config: OptimizeConfig, start: int) -> list[SiteRecord]:
-    """``nn.MultiheadAttention`` calls whose weights nobody reads run with ``need_weights=False``.
-
-    Dynamo keeps the module as one ``F.multi_head_attention_forward`` call that computes the
-    probabilities explicitly while they are requested (the default). With ``need_weights=False``
-    PyTorch computes the same output through SDPA. Only without masks: with one, a row whose
-    keys are all masked would become 0 instead of the NaN the call returns as written.
-    """
-    records = []
-    changed = False
-    for i, node in enumerate(unused_mha_weights(gm)):
-        path, source = where(node)
-        rec = SiteRecord(name=f"site{start + i}", module_path=path, source=source,
-                         spelling=["nn.MultiheadAttention(need_weights=True)", "[0]"])
-        padding = node.kwargs.get("key_padding_mask", node.args[14] if len(node.args) > 14 else None)
-        if config.candidate is None:
-            rec.decision, rec.reason = LEFT_ALONE, "variant='eager': left as written"
-        elif padding is not None or node.kwargs.get("attn_mask") is not None:
-            rec.decision = LEFT_ALONE
-            rec.reason = ("nn.MultiheadAttention with a mask: need_weights=False would return 0 instead of NaN "
-                          "for a row whose keys are all masked")
-        else:
-            node.update_kwarg("need_weights", False)
-            changed = True
-            rec.decision, rec.rewrite = REWRITTEN, "need_weights=False"
-            rec.reason = "the attention weights are discarded by the caller; PyTorch computes the output with SDPA"
-        records.append(rec)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return records
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -199,7 +166,7 @@ def _rewrite_subset(gm: fx.GraphModule, inputs: Sequence[Any], config: OptimizeC
     ensure_shapes(work, inputs)
     concrete = _bind(work, inputs)
     found = [f for f in find_sites(work, concrete) if isinstance(f, Match) and f.record.name in names]
-    _multihead_weights(work, config, 0)
+    drop_unused_mha_weights(work, config.candidate is not None)
     if found:
         rewrite_sites(work, found, config.candidate or "sdpa", concrete)
         _attach(work, report_to or found, selector)
