@@ -17,7 +17,8 @@ Kinds and canonical ``args``:
 ========== =============================================================
 matmul     ``(a, b, b_transposed)``: ``a @ b`` or, when transposed, ``a @ b.mT``
 baddbmm    ``(input, a, b, beta, alpha)``: ``beta * input + alpha * (a @ b)`` (function, method, in place)
-unary      ``(x, name)``: an elementwise function of one tensor (``tanh``), as in score modifiers
+unary      ``(x, name, *params)``: an elementwise function of one tensor (``tanh``, ``sigmoid``,
+           ``clamp`` with constant ``min``/``max``), as in score modifiers
 repeat_interleave ``(x, repeats, dim)`` with ``dim`` normalised to non-negative
 transpose  ``(x, d0, d1)`` with dims normalised to non-negative
 permute    ``(x, dims)``
@@ -167,6 +168,18 @@ def _unary(name: str) -> Reader:
         return Op("unary", (node.args[0], name), _spell(node))
 
     return read_
+
+
+def _clamp(node: fx.Node, _: Any) -> Op | None:
+    """``clamp``/``clip`` with constant bounds: the unary ``("clamp", min, max)``."""
+    lo, hi = _arg(node, 1, "min"), _arg(node, 2, "max")
+    for b in (lo, hi):
+        if b is not None and (isinstance(b, (bool, fx.Node)) or not isinstance(b, (int, float))):
+            return None
+    if lo is None and hi is None:
+        return None
+    return Op("unary", (node.args[0], "clamp", None if lo is None else float(lo), None if hi is None else float(hi)),
+              _spell(node))
 
 
 def _repeat_interleave(node: fx.Node, _: Any) -> Op | None:
@@ -454,6 +467,8 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.broadcast_to: _view,
     torch.baddbmm: _baddbmm, aten.baddbmm.default: _baddbmm,
     torch.tanh: _unary("tanh"), F.tanh: _unary("tanh"), aten.tanh.default: _unary("tanh"),
+    torch.sigmoid: _unary("sigmoid"), F.sigmoid: _unary("sigmoid"), aten.sigmoid.default: _unary("sigmoid"),
+    torch.clamp: _clamp, torch.clip: _clamp, aten.clamp.default: _clamp,
     torch.repeat_interleave: _repeat_interleave, aten.repeat_interleave.self_int: _repeat_interleave,
 }
 
@@ -479,13 +494,16 @@ _METHODS: dict[str, Reader] = {
     "new_ones": _factory(None, 1), "new_full": _factory(2), "new_zeros": _factory(None, 0),
     "new_empty": _factory(None, None), "broadcast_to": _view,
     "baddbmm": _baddbmm, "tanh": _unary("tanh"), "repeat_interleave": _repeat_interleave,
+    "sigmoid": _unary("sigmoid"), "clamp": _clamp, "clip": _clamp,
     # in place: functionalize_inplace makes later uses read these nodes
     "mul_": _scale_or_binary("mul"), "div_": _scale_or_binary("div"), "add_": _scale_or_binary("add"),
     "masked_fill_": _masked_fill, "baddbmm_": _baddbmm, "tanh_": _unary("tanh"),
+    "sigmoid_": _unary("sigmoid"), "clamp_": _clamp, "clip_": _clamp,
 }
 
 #: In-place methods whose result is their first argument, mutated.
-INPLACE_METHODS = frozenset(("mul_", "div_", "add_", "masked_fill_", "baddbmm_", "tanh_"))
+INPLACE_METHODS = frozenset(("mul_", "div_", "add_", "masked_fill_", "baddbmm_", "tanh_", "sigmoid_", "clamp_",
+                             "clip_"))
 
 _MODULES: dict[type, Reader] = {
     torch.nn.Softmax: _softmax_module,

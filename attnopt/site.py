@@ -114,14 +114,19 @@ class AttentionSpec:
         return ", ".join(parts)
 
 
-_UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tanh": torch.tanh}
+_UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tanh": torch.tanh, "sigmoid": torch.sigmoid}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
 class ElementwiseScoreMod:
     """A score modifier read from the graph: elementwise steps applied to the scaled score, in order.
 
-    Steps are ``("tanh",)`` or ``("mul", c)``; called with FlexAttention's signature
+    Steps are ``("tanh",)``, ``("sigmoid",)``, ``("mul", c)``, ``("add", c)`` or
+    ``("clamp", lo, hi)`` (either bound may be None); called with FlexAttention's signature
     ``(score, b, h, q_idx, kv_idx)`` (the indices are unused: the function is elementwise).
 
     >>> ElementwiseScoreMod((("tanh",), ("mul", 30.0))).describe()
@@ -132,19 +137,39 @@ class ElementwiseScoreMod:
 
     def __post_init__(self) -> None:
         for step in self.steps:
-            if step[0] not in _UNARY and not (step[0] == "mul" and len(step) == 2 and isinstance(step[1], float)):
-                raise ValueError(f"unknown score modifier step {step!r}; known: {sorted(_UNARY)} and ('mul', c)")
+            ok = (step[0] in _UNARY and len(step) == 1) or (
+                step[0] in ("mul", "add") and len(step) == 2 and _number(step[1])) or (
+                step[0] == "clamp" and len(step) == 3 and all(b is None or _number(b) for b in step[1:])
+                and step[1:] != (None, None))
+            if not ok:
+                raise ValueError(f"unknown score modifier step {step!r}; known: {sorted(_UNARY)}, ('mul', c), "
+                                 "('add', c) and ('clamp', lo, hi)")
 
     def __call__(self, score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
                  kv_idx: torch.Tensor) -> torch.Tensor:
         for step in self.steps:
-            score = score * step[1] if step[0] == "mul" else _UNARY[step[0]](score)
+            if step[0] == "mul":
+                score = score * step[1]
+            elif step[0] == "add":
+                score = score + step[1]
+            elif step[0] == "clamp":
+                score = torch.clamp(score, step[1], step[2])
+            else:
+                score = _UNARY[step[0]](score)
         return score
 
     def describe(self) -> str:
         expr = "s"
         for step in self.steps:
-            expr = f"{step[1]:g}*{expr}" if step[0] == "mul" else f"{step[0]}({expr})"
+            if step[0] == "mul":
+                expr = f"{step[1]:g}*{expr}"
+            elif step[0] == "add":
+                expr = f"({expr} {'+' if step[1] >= 0 else '-'} {abs(step[1]):g})"
+            elif step[0] == "clamp":
+                expr = f"clamp({expr}, {step[1] if step[1] is None else f'{step[1]:g}'}, " \
+                       f"{step[2] if step[2] is None else f'{step[2]:g}'})"
+            else:
+                expr = f"{step[0]}({expr})"
         return expr
 
 

@@ -350,13 +350,9 @@ def test_size_only_mask_that_is_not_causal_is_refused():
         cached(TinyLM(MaskedAttention(window=None)))
 
 
-def test_sliding_window_mask_is_refused_once_it_stops_being_causal():
-    torch.manual_seed(0)
-    c = cached(TinyLM(MaskedAttention(window=10)).eval())  # causal up to 10 tokens
-    c.prefill(torch.randint(0, VOCAB, (1, 8)))
-    c.step(torch.randint(0, VOCAB, (1, 2)))
-    with pytest.raises(PositionError, match=r"not causal for 1 sequence\(s\) of 11 tokens"):
-        c.step(torch.randint(0, VOCAB, (1, 1)))
+def test_sliding_window_mask_is_refused_with_its_width():
+    with pytest.raises(PositionError, match=r"sliding window of 10 keys, which the cache does not apply"):
+        cached(TinyLM(MaskedAttention(window=10)).eval())
 
 
 def test_public_names():

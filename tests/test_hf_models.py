@@ -22,6 +22,23 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg), {"input_ids": torch.randint(0, 64, (2, 12))}
 
 
+def _mistral():
+    cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64, vocab_size=64, sliding_window=4,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.MistralForCausalLM(cfg), {"input_ids": torch.randint(0, 64, (2, 12))}
+
+
+def _gemma2():
+    """Soft-capped attention logits; layers alternate a sliding window (4) and full causal attention."""
+    cfg = transformers.Gemma2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=64,
+                                    sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                    query_pre_attn_scalar=8, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                    attn_implementation="eager")
+    return transformers.Gemma2ForCausalLM(cfg), {"input_ids": torch.randint(0, 64, (2, 12))}
+
+
 def _bert():
     cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                   intermediate_size=64, vocab_size=64, attn_implementation="eager")
@@ -34,7 +51,8 @@ def _main_output(out):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-@pytest.mark.parametrize("build", [_gpt2, _llama, _bert], ids=["gpt2", "llama-gqa", "bert"])
+@pytest.mark.parametrize("build", [_gpt2, _llama, _bert, _mistral, _gemma2],
+                         ids=["gpt2", "llama-gqa", "bert", "mistral-window", "gemma2-softcap-window"])
 def test_every_attention_layer_rewritten_outputs_and_grads_equal(build):
     torch.manual_seed(0)
     model, inputs = build()
@@ -53,5 +71,11 @@ def test_every_attention_layer_rewritten_outputs_and_grads_equal(build):
             assert a is None
         else:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    if build is _llama:
-        assert all(r.spec.gqa for r in report.records)
+    specs = [r.spec for r in report.records]
+    if build in (_llama, _mistral, _gemma2):
+        assert all(s.gqa and s.causal == "top_left" for s in specs), str(report)  # the mask is proven causal
+    if build is _mistral:
+        assert [s.window for s in specs] == [4, 4], str(report)
+    if build is _gemma2:
+        assert [s.window for s in specs] == [4, None], str(report)  # sliding, then global
+        assert all(s.score_mod == "50*tanh(s)" for s in specs), str(report)

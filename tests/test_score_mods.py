@@ -183,3 +183,67 @@ def test_optimize_with_compiled_flex_equals_the_original() -> None:
     assert report.rewritten == 1 and report.records[0].rewrite == "flex", str(report)
     assert flex_mod._compiled.cache_info().currsize == 1  # the compiled kernel was used
     assert math.isfinite(out.abs().max().item())
+
+
+# ----------------------------------------------------------------------------- other elementwise modifiers
+
+
+OTHER_MODS = {
+    "clamp": (lambda s: torch.clamp(s, -2.0, 2.0), "clamp(s, -2, 2)"),
+    "clip_min_method": (lambda s: s.clip(min=-1.0), "clamp(s, -1, None)"),
+    "clamp_inplace_max": (lambda s: s.clamp_(max=1.5), "clamp(s, None, 1.5)"),
+    "sigmoid_scaled": (lambda s: torch.sigmoid(s) * 8.0, "8*sigmoid(s)"),
+    "shift": (lambda s: s + 1.5, "(s + 1.5)"),
+    "shift_inside_tanh": (lambda s: torch.tanh(s / 4.0 - 0.25) * 4.0, "4*tanh((s - 0.25))"),
+}
+
+
+class Modified(nn.Module):
+    def __init__(self, mod):
+        super().__init__()
+        self.mod = mod
+
+    def forward(self, q, k, v):
+        att = self.mod((q @ k.transpose(-2, -1)) * D ** -0.5)
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        return F.softmax(att.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("variant", ["math", "tiled64"])
+@pytest.mark.parametrize("name", list(OTHER_MODS))
+def test_other_elementwise_modifiers_are_exact(name: str, variant: str) -> None:
+    fn, described = OTHER_MODS[name]
+    model = Modified(fn)
+    q, k, v = (t.requires_grad_(True) for t in qkv())
+    gm, ex, new = rewrite(model, q, k, v, variant=variant)
+    (record,) = new.meta["attnopt_report"].records
+    assert record.rewritten, record.reason
+    assert described in record.reason and "causal" in record.reason, record.reason
+    out, ref = new(*ex)[0], model(q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    g = torch.autograd.grad(out.square().sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(g, g_ref):  # fp32 gradients of O(10) summed over blocks in another order
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_a_shift_after_a_mask_is_left_alone_with_reason() -> None:
+    def fn(m, q, k, v):
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        att = (q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")) + 2.0
+        return att.softmax(-1) @ v
+
+    class Fn(nn.Module):
+        def forward(self, q, k, v):
+            return fn(self, q, k, v)
+
+    _, _, new = rewrite(Fn(), *qkv(), variant="math")
+    (record,) = new.meta["attnopt_report"].records
+    assert not record.rewritten and "(s + 2) is applied after a mask" in record.reason, record.reason
+
+
+def test_score_mod_steps_are_validated() -> None:
+    with pytest.raises(ValueError, match="unknown score modifier step"):
+        ElementwiseScoreMod((("clamp", None, None),))
+    with pytest.raises(ValueError, match="unknown score modifier step"):
+        ElementwiseScoreMod((("add", float("inf")),))

@@ -248,12 +248,31 @@ def test_per_query_factor_is_not_a_scale() -> None:
     assert report.rewritten == 0, str(report)
 
 
-def test_scale_after_an_added_mask_is_left_alone_with_reason() -> None:
+@pytest.mark.parametrize("form", ["learned_bias", "padding_min", "padding_min_dead_row", "causal_inf", "bias_mul_left"])
+def test_scale_after_an_added_mask(form: str) -> None:
+    """``(q @ k^T + mask) * c`` is ``c * q @ k^T + c * mask``; a key holding the dtype's minimum stays masked."""
     q, k, v = qkv()
-    model = Fn(lambda m, q, k, v: F.softmax((q @ k.transpose(-2, -1) + m.bias) * 0.3, -1) @ v,
-               bias=torch.randn(1, H, T, T))
-    report = attnopt.explain(model, q, k, v, variant="sdpa")
-    assert report.rewritten == 0 and "after an added mask" in report.records[0].reason, str(report)
+    low = torch.finfo(torch.float32).min
+    if form in ("learned_bias", "bias_mul_left"):
+        mask = torch.randn(1, H, T, T)  # a graph input: gradients reach it
+    elif form.startswith("padding_min"):
+        keep = torch.ones(B, 1, 1, T, dtype=torch.bool)
+        keep[0, ..., -3:] = False
+        if form == "padding_min_dead_row":
+            keep[-1] = False  # every key of the last sequence masked: uniform rows as written
+        mask = torch.zeros(B, 1, 1, T).masked_fill(~keep, low)
+    else:
+        mask = torch.zeros(T, T).masked_fill(~causal_keep(), float("-inf"))
+
+    def fn(m, q, k, v, mask):
+        att = q @ k.transpose(-2, -1) + mask
+        att = 0.3 * att if form == "bias_mul_left" else att / math.sqrt(D)
+        return F.softmax(att, -1) @ v
+
+    report = rewrite_and_check(Fn(fn), q, k, v, mask)
+    spec = spec_of(report)
+    assert spec.scale == pytest.approx(0.3 if form == "bias_mul_left" else 1 / math.sqrt(D))
+    assert spec.mask == "additive"
 
 
 # ----------------------------------------------------------------------------- C. masks and biases

@@ -29,7 +29,6 @@ Example: nanoGPT's block yields one Match with ``spec.describe() == "scale=0.125
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -293,7 +292,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     for kind, payload in chain:
         if kind == "mod":
             if masks:
-                raise NearMiss(f"the score modifier {payload[0]} is applied after a mask (it would change the "
+                step = ElementwiseScoreMod((payload,)).describe() if payload[0] != "mul" else payload[0]
+                raise NearMiss(f"the score modifier {step} is applied after a mask (it would change the "
                                "masked scores too)")
             mods.append(payload)
             continue
@@ -472,10 +472,10 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         record.spelling.append(op.spelling)
         return x
     if k == "unary":
-        x, name = op.args
+        x, name, *params = op.args
         if not isinstance(x, fx.Node):
             return None
-        chain.append(("mod", (name,)))
+        chain.append(("mod", (name, *params)))
         record.spelling.append(op.spelling)
         return x
     if k == "where":
@@ -489,8 +489,25 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
             record.spelling.append("where")
             return b
         raise NearMiss("torch.where between product and softmax does not fill with a constant")
+    if k == "sub" and isinstance(op.args[0], fx.Node) and _scale_value(op.args[1]) is not None \
+            and not isinstance(op.args[1], fx.Node) and _same_shape(op.args[0], node):
+        value = -float(op.args[1])
+        if not math.isfinite(value):
+            raise NearMiss(f"the scores are shifted by {value}")
+        chain.append(("mod", ("add", value)))
+        record.spelling.append(f"- {-value:g}")
+        return op.args[0]
     if k == "add":
         a, b = op.args
+        for s, c in ((a, b), (b, a)):
+            if isinstance(s, fx.Node) and not is_zero_dim_tensor(s) and _scale_value(c) is not None \
+                    and not isinstance(c, torch.SymFloat) and _same_shape(s, node):
+                value = float(_scale_value(c))  # type: ignore[arg-type]
+                if not math.isfinite(value):
+                    raise NearMiss(f"the scores are shifted by {value}")
+                chain.append(("mod", ("add", value)))  # an elementwise step (exact; SDPA cannot take it)
+                record.spelling.append(f"+ {value:g}")
+                return s
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
             raise NearMiss("a constant is added to the scores")
         # The score operand has the result's full shape and leads back to a product.
@@ -547,7 +564,7 @@ def _baddbmm_terms(op: Op, chain: list[tuple[str, Any]], record: SiteRecord) -> 
 def _scaled_mask(term: Any, c: float, how: str, value: float) -> Any:
     """A mask term as seen after the scores are scaled by ``c`` (``how``/``value`` as written)."""
     if isinstance(term, Add):
-        raise NearMiss("the scores are scaled after an added mask; the rewrite does not scale masks passed in")
+        return replace(term, factor=term.factor * c)
     if term.value == -math.inf:
         return term
     dt = term.dtype or torch.float32
@@ -664,28 +681,6 @@ def _is_none_at(index: Any, pos: int) -> bool:
         return False
     return all((e is None and i == pos) or (isinstance(e, slice) and e == slice(None))
                for i, e in enumerate(full))
-
-
-def unused_mha_weights(gm: fx.GraphModule) -> list[fx.Node]:
-    """``F.multi_head_attention_forward(..., need_weights=True)`` calls whose weights nobody reads.
-
-    Dynamo does not trace into ``nn.MultiheadAttention``: its graph holds one call whose
-    output is ``(attn_output, attn_weights)``. With ``need_weights=True`` that call computes
-    the probabilities explicitly (``baddbmm``, softmax, ``bmm``); when every user reads only
-    ``[0]``, ``need_weights=False`` computes the same output through SDPA.
-    """
-    import torch.nn.functional as F
-
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
-            continue
-        if node.kwargs.get("need_weights", True) is not True or len(node.args) > 15:
-            continue
-        if node.users and all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0
-                              for u in node.users):
-            found.append(node)
-    return found
 
 
 def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None = None,

@@ -43,9 +43,15 @@ class Fill:
 
 @dataclass(frozen=True)
 class Add:
-    """``scores + mask``."""
+    """``scores + mask``; with ``factor``, the sum was scaled afterwards: ``(scores + mask) * factor``.
+
+    The scaled sum is ``scores * factor + mask * factor``, so SDPA receives ``mask * factor``,
+    except where the mask holds the dtype's minimum: a key masked that way stays masked at any
+    positive factor, and keeping the minimum lets the site recognise rows with every key masked.
+    """
 
     mask: fx.Node
+    factor: float = 1.0
 
 
 @dataclass
@@ -199,8 +205,8 @@ class BandReader:
         shape = shape_of(node)
         if shape is None or len(shape) < 2:
             raise _Unknown
-        if not all(_same(s, 1) for s in shape[:-2]):
-            raise _Unknown
+        # Leading dims may be larger than 1 (``expand(B, 1, T, T)``): every rule below builds values
+        # that depend on (i, j) only, so they are constant along them. Buffers must have them 1.
         rows, cols = shape[-2], shape[-1]
         if node.op in ("placeholder", "get_attr"):
             return self._buffer(node, rows, cols)
@@ -252,7 +258,10 @@ class BandReader:
         """A node's band, or a number as a constant band."""
         if isinstance(x, fx.Node):
             if shape_of(x) is not None and len(shape_of(x) or ()) == 0:
-                raise _Unknown  # a 0-d tensor: its value is not known at capture
+                op = read(x, self.root)  # a 0-d tensor: only a constant factory (zeros(()), new_ones(())) is known
+                if op is None or op.kind != "factory" or mutated(x) or not isinstance(op.args[0], (int, float, bool)):
+                    raise _Unknown
+                return _convert(Band.const(rows, cols, op.args[0]), dtype_of(x))
             b = self.band(x)
             if not ((_same(b.rows, rows) or _same(b.rows, 1)) and (_same(b.cols, cols) or _same(b.cols, 1))):
                 raise _Unknown

@@ -46,7 +46,8 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     dtype = m.spec.compute_dtype
     for t in plan.terms:
         if isinstance(t, Add):
-            mask = t.mask if mask is None else graph.call_function(operator.add, (mask, t.mask))
+            added = t.mask if t.factor == 1.0 else graph.call_function(scaled_mask, (t.mask, t.factor))
+            mask = added if mask is None else graph.call_function(operator.add, (mask, added))
         elif isinstance(t, Fill):
             keep = t.keep_when_true
             filled_when = t.cond if not keep else graph.call_function(torch.logical_not, (t.cond,))
@@ -57,6 +58,17 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
             else:
                 mask = graph.call_function(torch.where, (filled_when, value, mask))
     return mask
+
+
+def scaled_mask(mask: torch.Tensor, factor: float) -> torch.Tensor:
+    """``mask * factor`` for ``(scores + mask) * factor``, with the dtype's minimum (a masked key) kept in value.
+
+    The site recognises rows whose keys all hold the minimum by that value; the gradient is
+    ``factor`` everywhere, as written (rows with every key masked do send one to the mask).
+    """
+    scaled = mask * factor
+    at_min = mask == torch.finfo(mask.dtype).min
+    return scaled + torch.where(at_min, mask - scaled, torch.zeros((), dtype=mask.dtype, device=mask.device)).detach()
 
 
 def _filled(cond: torch.Tensor, value: float, dtype: torch.dtype) -> torch.Tensor:
