@@ -23,7 +23,7 @@ import torch.fx as fx
 from .config import OptimizeConfig
 from .pipeline import run_pipeline
 from .report import Report
-from .runtime import AUTO, GUARDED_ARGS_START, AttentionSite
+from .runtime import AUTO, GUARDED_ARGS_START, AttentionSite, BufferGuard
 from .selector import Selector
 
 log = logging.getLogger("attnopt")
@@ -125,6 +125,6 @@ def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:
         mod = gm.get_submodule(str(node.target))
         if isinstance(mod, AttentionSite) and mod.guards:
             for g, arg in zip(mod.guards, node.args[GUARDED_ARGS_START:]):
-                if arg in placeholders:
+                if arg in placeholders and isinstance(g, BufferGuard):
                     out.append((placeholders[arg], g))
     return out

@@ -122,6 +122,21 @@ class BufferGuard:
         return ok
 
 
+@dataclass
+class ConditionGuard:
+    """A run-time mask term the causal proof assumed: all True (``band & x``) or all False (``band | x``).
+
+    Typically a padding mask: Hugging Face ANDs ``attention_mask[b, kv_idx]`` into its causal mask,
+    which is the causal pattern exactly when no key is padded. Checked on every call (one
+    reduction over the term); when it fails the site passes the mask tensor, silently.
+    """
+
+    all_true: bool
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return bool(t.all()) if self.all_true else not bool(t.any())
+
+
 class AttentionSite(nn.Module):
     """Runs one rewritten attention site with a registered candidate."""
 
@@ -196,7 +211,9 @@ class AttentionSite(nn.Module):
         if not self.guards:
             return True
         if any(_tracing(t) for t in guarded):
-            return True  # checked at the compiled graph's boundary instead
+            # buffers are checked at the compiled graph's boundary instead; run-time terms cannot be
+            # checked there, so a compiled graph passes the mask tensor
+            return not any(isinstance(g, ConditionGuard) for g in self.guards)
         return all(g.holds(t) for g, t in zip(self.guards, guarded))
 
     def forget_choices(self) -> None:

@@ -56,6 +56,9 @@ class AttentionSpec:
             keys (``0 <= q_idx - kv_idx < window`` in the causal alignment). Candidates that know
             windows (FlexAttention as a ``block_mask``, the tiled kernel) skip the rest; others get
             the band as a boolean mask.
+        conditions: how many run-time mask terms the causal/window proof assumes (a padding mask that
+            keeps every key, ``x.all()``, or hides none, ``not x.any()``); the site checks them on every
+            call and passes the mask tensor when one fails.
         gqa: key/value heads are shared by groups of query heads (``repeat_kv`` proven), so
             ``k`` and ``v`` are passed unrepeated with ``enable_gqa=True``.
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
@@ -79,6 +82,7 @@ class AttentionSpec:
     score_mod: str | None = None
     fill_value: float | None = None
     window: int | None = None
+    conditions: int = 0
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -101,6 +105,10 @@ class AttentionSpec:
             parts.append(f"causal ({self.causal.replace('_', '-')})")
             if self.window is not None:
                 parts.append(f"sliding window {self.window}")
+            if self.conditions:
+                terms = "a run-time mask term keeps" if self.conditions == 1 else \
+                    f"{self.conditions} run-time mask terms keep"
+                parts.append(f"while {terms} every key (checked per call)")
         elif self.mask != "none" and self.fill_value is None:
             parts.append(f"{self.mask} mask")
         if self.fill_value is not None:

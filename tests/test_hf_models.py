@@ -79,3 +79,24 @@ def test_every_attention_layer_rewritten_outputs_and_grads_equal(build):
     if build is _gemma2:
         assert [s.window for s in specs] == [4, None], str(report)  # sliding, then global
         assert all(s.score_mod == "50*tanh(s)" for s in specs), str(report)
+
+
+@pytest.mark.parametrize("build", [_llama, _mistral], ids=["llama", "mistral-window"])
+def test_padding_mask_input_keeps_the_causal_proof_checked_per_call(build):
+    """``attention_mask`` as tokenizers return it: all ones -> causal SDPA; left padding -> the mask tensor."""
+    torch.manual_seed(0)
+    model, inputs = build()
+    model.eval()
+    ids = inputs["input_ids"]
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
+    padded[1, :3] = 0  # left padding, as for batched generation
+    opt = attnopt.optimize(model, variant="sdpa")
+    for mask in (ones, padded):
+        with torch.no_grad():
+            out = opt(input_ids=ids, attention_mask=mask).logits
+            ref = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    report = attnopt.explain(opt)
+    assert report.rewritten >= 2
+    assert all(r.spec.causal == "top_left" and r.spec.conditions == 1 for r in report.records), str(report)

@@ -257,8 +257,10 @@ def test_band_reader_on_builders() -> None:
     assert reader.band(outs[2]) == Band(5, 7, (0,), (True, False))
     # slicing rows [1:] and cols [2:] shifts the diagonal by 1 - 2; `== 0` flips the values
     assert reader.band(outs[3]) == Band(4, 5, (-1,), (False, True))
-    with pytest.raises(Exception):  # noqa: B017 - any "unknown" is fine: a run-time input is not a band
-        reader.band(outs[4])
+    # a run-time input ANDed in: the band holds while it is all True (a condition the site checks per call)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert reader.band(outs[4]) == Band(5, 7, (0,), (True, False))
+    assert reader.conditions == [(x, True)]
     assert reader.guarded == []
 
 
@@ -430,3 +432,81 @@ def test_finite_fill_with_other_masks_is_refused() -> None:
     report = attnopt.explain(FiniteFill(-1e4, also_inf=True), q, k, v, torch.ones(5, 5, dtype=torch.bool).triu(1),
                              variant="spy")
     assert report.rewritten == 0 and "rewritten only alone" in report.records[0].reason
+
+
+# ----------------------------------------------------------------------------- run-time terms (padding masks)
+
+
+class CausalAndPadding(nn.Module):
+    """``tril & pad[b, kv]`` (or ``triu(1) | ~pad``): causal exactly when no key is padded."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, v, pad):
+        t = q.size(-2)
+        i = torch.arange(t, device=q.device)
+        causal = i[None, :] <= i[:, None]
+        s = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+        if self.form == "and":
+            keep = causal[None, None] & pad[:, None, None, :]
+            return s.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+        if self.form == "or":
+            hidden = ~causal[None, None] | ~pad[:, None, None, :]
+            return s.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+        keep = (causal[None, None] & pad[:, None, None, :]).expand(q.size(0), 1, t, t)  # Hugging Face style
+        return (s + torch.where(keep, torch.zeros((), dtype=s.dtype), torch.finfo(s.dtype).min)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("form", ["and", "or", "hf_where"])
+def test_causal_proof_with_a_padding_term_is_checked_per_call(form: str) -> None:
+    model = CausalAndPadding(form)
+    q, k, v = qkv(6, 6)
+    full = torch.ones(2, 6, dtype=torch.bool)
+    opt = attnopt.optimize(model, variant="spy")
+    assert_same(opt(q, k, v, full), model(q, k, v, full))
+    (rec,) = attnopt.explain(opt).records
+    assert rec.spec.causal == "top_left" and rec.spec.conditions == 1, rec.reason
+    assert "run-time mask term" in rec.reason
+    assert CALLS[-1]["is_causal"] is True and CALLS[-1]["attn_mask"] is None
+
+    padded = full.clone()
+    padded[1, :2] = False  # left padding: the second sequence's first queries see no key
+    q2, k2, v2 = (t.clone().requires_grad_(True) for t in (q, k, v))
+    before = len(CALLS)
+    out, ref = opt(q2, k2, v2, padded), model(q, k, v, padded)
+    assert_same(out, ref)
+    # the mask tensor is passed (rows of the dtype's minimum run the reference computation instead)
+    assert len(CALLS) > before or form == "hf_where"
+    assert all(c["is_causal"] is False and c["attn_mask"] is not None for c in CALLS[before:])
+    if form == "hf_where":  # rows of the dtype's minimum: uniform as written, gradients too
+        g = torch.autograd.grad(out.sum(), (q2, k2, v2))
+        q3, k3, v3 = (t.clone().requires_grad_(True) for t in (q, k, v))
+        g_ref = torch.autograd.grad(model(q3, k3, v3, padded).sum(), (q3, k3, v3))
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_term_of_two_run_time_masks_is_not_a_proof() -> None:
+    class TwoInputs(nn.Module):
+        def forward(self, q, k, v, a, b):
+            s = q @ k.transpose(-2, -1)
+            return s.masked_fill(~(a & b), float("-inf")).softmax(-1) @ v
+
+    q, k, v = qkv(5, 5)
+    a = torch.rand(5, 5) < 0.7  # inputs read as no band: neither side of `&` is known
+    a[:, 0] = True
+    plan = plan_of(TwoInputs(), q, k, v, a, a.clone())
+    assert plan.causal is None and plan.conditions == []
+
+
+def test_compiled_graph_passes_the_mask_for_run_time_terms() -> None:
+    model = CausalAndPadding("and")
+    q, k, v = qkv(6, 6)
+    full = torch.ones(2, 6, dtype=torch.bool)
+    padded = full.clone()
+    padded[0, -1] = False
+    opt = attnopt.optimize(model, variant="sdpa", compile=True)
+    assert_same(opt(q, k, v, full), model(q, k, v, full))
+    assert_same(opt(q, k, v, padded), model(q, k, v, padded))

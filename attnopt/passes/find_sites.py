@@ -418,7 +418,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
         gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
         score_mod=score_mod.describe() if score_mod is not None else None, fill_value=plan.bound_fill,
-        window=plan.window,
+        window=plan.window, conditions=len(plan.conditions),
     )
     if plan.kind != "none":
         shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"

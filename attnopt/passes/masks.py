@@ -66,6 +66,7 @@ class MaskPlan:
     bound_fill: float | None = None  # a finite fill (-1e4, -100): exact under a bound checked per call
     window: int | None = None  # with ``causal``: keys at most ``window - 1`` behind the query are kept
     patterns: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list)  # per guarded buffer
+    conditions: list[tuple[fx.Node, bool]] = field(default_factory=list)  # run-time terms the proof assumes
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class BandReader:
         self.concrete = concrete
         self.guarded: list[fx.Node] = []
         self.patterns: dict[fx.Node, Band] = {}  # guarded buffer -> its band over the whole buffer
+        self.conditions: list[tuple[fx.Node, bool]] = []  # run-time bool tensors: (node, must be all True)
 
     def band(self, node: Any) -> Band:
         if not isinstance(node, fx.Node) or mutated(node):
@@ -237,6 +239,8 @@ class BandReader:
             a, c = op.args
             if k in ("add", "mul") and not (isinstance(a, fx.Node) and isinstance(c, fx.Node)):
                 raise _Unknown
+            if k in ("and", "or") and dtype_of(node) == torch.bool:
+                return self._logical(k, a, c, rows, cols)
             return _convert(_merge(self._operand(a, rows, cols), self._operand(c, rows, cols), _COMBINE[k]),
                             dtype_of(node))
         if k in ("where", "masked_fill"):
@@ -253,6 +257,29 @@ class BandReader:
         if k == "getitem":
             return self._slice(node, op.args[0], op.args[1], rows, cols)
         raise _Unknown
+
+    def _logical(self, k: str, a: Any, c: Any, rows: Any, cols: Any) -> Band:
+        """``a & c`` or ``a | c``; one operand may be a run-time tensor (a padding mask): a condition.
+
+        ``band & x`` equals ``band`` whenever ``x`` is all True, and ``band | x`` whenever ``x`` is all
+        False. The site checks that on every call (``plan.conditions``) and passes the mask tensor
+        when it does not hold.
+        """
+        known, assumed = [], []
+        for x in (a, c):
+            mark = (len(self.guarded), len(self.conditions))
+            try:
+                known.append(self._operand(x, rows, cols))
+            except _Unknown:
+                del self.guarded[mark[0]:], self.conditions[mark[1]:]
+                if not (isinstance(x, fx.Node) and dtype_of(x) == torch.bool and _broadcasts(x, rows, cols)):
+                    raise
+                assumed.append((x, k == "and"))
+                known.append(Band.const(rows, cols, k == "and"))
+        if len(assumed) == 2:
+            raise _Unknown  # nothing is known about either side
+        self.conditions.extend(assumed)
+        return _merge(known[0], known[1], _COMBINE[k])
 
     def _operand(self, x: Any, rows: Any, cols: Any) -> Band:
         """A node's band, or a number as a constant band."""
@@ -394,6 +421,15 @@ class BandReader:
         b = self.band(src)
         if not isinstance(index, tuple):
             index = (index,)
+        src_nd = len(shape_of(src) or ())
+        full = list(index)
+        if any(e is Ellipsis for e in full):
+            pos = full.index(Ellipsis)
+            n_real = sum(1 for e in full if e is not None and e is not Ellipsis)
+            full = full[:pos] + [slice(None)] * (src_nd - n_real) + full[pos + 1:]
+        full += [slice(None)] * (src_nd - sum(1 for e in full if e is not None))
+        if any(e is None for e in full[-2:]):
+            raise _Unknown  # a new dim among the last two: the source's rows or columns move to a leading dim
         entries = [e for e in index if e is not None]  # None adds a leading dim of size 1
         if any(e is Ellipsis for e in entries):
             pos = entries.index(Ellipsis)
@@ -414,6 +450,15 @@ class BandReader:
         if (isinstance(r0, int) and r0 < 0) or (isinstance(c0, int) and c0 < 0):
             raise _Unknown
         return b.shifted(r0 - c0, rows, cols)
+
+
+def _broadcasts(x: fx.Node, rows: Any, cols: Any) -> bool:
+    """``x``'s last two dims broadcast against ``(rows, cols)``."""
+    shape = shape_of(x)
+    if shape is None or len(shape) == 0:
+        return False
+    last = (1,) * max(0, 2 - len(shape)) + tuple(shape[-2:])
+    return (_same(last[0], 1) or _same(last[0], rows)) and (_same(last[1], 1) or _same(last[1], cols))
 
 
 _ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
@@ -618,17 +663,19 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
                 plan.window = window
                 plan.guarded = list(reader.guarded)
                 plan.patterns = [(reader.patterns[n].cuts, reader.patterns[n].values) for n in reader.guarded]
+                plan.conditions = list(reader.conditions)
     except _Unknown:
         pass
-    if plan.window is not None and plan.bound_fill is not None:
-        plan.causal, plan.window, plan.guarded, plan.patterns = None, None, [], []  # the bounded site has no window
+    if (plan.window is not None or plan.conditions) and plan.bound_fill is not None:
+        # the bounded site has no window and no per-call conditions
+        plan.causal, plan.window, plan.guarded, plan.patterns, plan.conditions = None, None, [], [], []
     # A row with every key masked by -inf is NaN as written; SDPA gives zeros there. Top-left
     # causal masks keep key 0 in every row, so only other masks need the NaN rows restored
     # (and guarded ones, for the run where the guard fails and the mask tensor is used).
     has_inf = any(isinstance(t, Fill) and t.value == -math.inf for t in terms) or any(
         isinstance(t, Add) for t in terms)
     # A top-left window keeps key i in row i only while i < Tk, so its mask tensor stays in play.
-    always_causal = plan.causal == "top_left" and not plan.guarded and plan.window is None
+    always_causal = plan.causal == "top_left" and not plan.guarded and not plan.conditions and plan.window is None
     plan.nan_rows = has_inf and not always_causal
     if plan.kind == "additive" and not always_causal:
         plan.min_rows = "mean" if all(isinstance(t, Fill) for t in terms) else "math"

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..candidates import reference_attention
 from ..canon import attr_value, dtype_of, meta_value
-from ..runtime import AttentionSite, BufferGuard, _tracing
+from ..runtime import AttentionSite, BufferGuard, ConditionGuard, _tracing
 from ..site import REWRITTEN
 from .find_sites import Match, reads_only_dtype
 from .masks import Add, Fill
@@ -35,7 +35,7 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     plan = m.mask
     if plan.kind == "none":
         return None
-    if plan.causal == "top_left" and not plan.guarded and plan.window is None:
+    if plan.causal == "top_left" and not plan.guarded and not plan.conditions and plan.window is None:
         return None  # structurally causal: is_causal=True always holds, no tensor needed
     mask: fx.Node | None = None
     if plan.kind == "bool":
@@ -98,6 +98,9 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                         t = attr_value(gm, str(buf.target))
                     guards.append(BufferGuard.of(t, cuts, values))
                     guard_nodes.append(buf)
+                for node, all_true in m.mask.conditions:
+                    guards.append(ConditionGuard(all_true))
+                    guard_nodes.append(node)
             scale: Any = None
             if m.scale_nodes:
                 scale = m.spec.scale
