@@ -121,6 +121,9 @@ def _choose(matches: list[Match], config: OptimizeConfig, selector: Selector | N
     chosen = []
     for m in matches:
         why = cand.supports(m.spec)
+        device = _device_of(m)
+        if why is None and device is not None:
+            why = cand.available(device)  # e.g. flex on a CPU without a C++ compiler
         if why is None:
             chosen.append(m)
         else:

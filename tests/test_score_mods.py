@@ -247,3 +247,20 @@ def test_score_mod_steps_are_validated() -> None:
         ElementwiseScoreMod((("clamp", None, None),))
     with pytest.raises(ValueError, match="unknown score modifier step"):
         ElementwiseScoreMod((("add", float("inf")),))
+
+
+def test_without_a_compiler_flex_sites_are_left_alone_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flex_mod, "_cpp_compiler", lambda: None)
+    q, k, v = qkv()
+    model = SoftCapped()
+    opt = attnopt.optimize(model, variant="flex")
+    torch.testing.assert_close(opt(q, k, v), model(q, k, v))
+    (record,) = attnopt.explain(opt).records
+    assert not record.rewritten and "C++ compiler" in record.reason, record.reason
+    torch._dynamo.reset()
+    opt = attnopt.optimize(model)  # auto: the tiled kernel or math serve it instead
+    torch.testing.assert_close(opt(q, k, v), model(q, k, v), atol=1e-5, rtol=1e-4)
+    (record,) = attnopt.explain(opt).records
+    assert record.rewritten and "flex" not in record.extra["candidates"], record.extra
+    (entry,) = record.extra["tuning"].values()
+    assert "C++ compiler" in entry.rejected["flex"] and entry.choice != "flex"
