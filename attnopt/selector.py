@@ -228,10 +228,12 @@ class Selector:
                 ok.append(name)
             else:
                 why[name] = reason
-        if self.only is None and any(n.startswith("sdpa") for n in ok):
+        # A costly candidate is worth its compile only where SDPA cannot serve, or serves a sliding
+        # window as a dense mask (computing every block the window hides).
+        if self.only is None and spec.window is None and any(n.startswith("sdpa") for n in ok):
             for n in [n for n in ok if getattr(get_candidate(n), "costly", False)]:
                 ok.remove(n)
-                why[n] = "compiles for every shape (seconds each); tried only where SDPA cannot serve"
+                why[n] = "compiles for every shape (seconds each); tried only where SDPA cannot serve (or a window)"
         return ok, why
 
     # -- choosing ----------------------------------------------------------------------------------

@@ -326,3 +326,16 @@ def test_softcap_with_window_is_exact_with_gradients(variant: str) -> None:
     model = SoftcapWindow()
     opt = attnopt.optimize(model, variant=variant)
     assert_same_with_grads(model, opt, tq=20)
+
+
+def test_selector_tries_flex_for_windows_although_sdpa_serves() -> None:
+    from attnopt.selector import Selector
+    from attnopt.site import AttentionSpec
+
+    if candidates.get_candidate("flex").available("cpu") is not None:
+        pytest.skip(candidates.get_candidate("flex").available("cpu"))
+    sel = Selector(cache=False)
+    legal, why = sel.legal(AttentionSpec(scale=1.0, causal="top_left", window=4), "cpu")
+    assert "flex" in legal and "sdpa" in legal and "tiled64" in legal
+    legal, why = sel.legal(AttentionSpec(scale=1.0, causal="top_left"), "cpu")
+    assert "flex" not in legal and "tried only where SDPA cannot serve" in why["flex"]
