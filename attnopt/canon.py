@@ -47,6 +47,7 @@ mutated tensor read the in-place node, so the chain is a plain data-flow path.
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -171,13 +172,15 @@ def _unary(name: str) -> Reader:
 
 
 def _clamp(node: fx.Node, _: Any) -> Op | None:
-    """``clamp``/``clip`` with constant bounds: the unary ``("clamp", min, max)``."""
+    """``clamp``/``clip`` with constant bounds: the unary ``("clamp", min, max)``; infinite bounds are no bound."""
     lo, hi = _arg(node, 1, "min"), _arg(node, 2, "max")
     for b in (lo, hi):
-        if b is not None and (isinstance(b, (bool, fx.Node)) or not isinstance(b, (int, float))):
-            return None
-    if lo is None and hi is None:
-        return None
+        if b is not None and (isinstance(b, (bool, fx.Node)) or not isinstance(b, (int, float)) or b != b):
+            return None  # a tensor, a run-time number or NaN
+    lo = None if lo is not None and lo == -math.inf else lo
+    hi = None if hi is not None and hi == math.inf else hi
+    if (lo is None and hi is None) or any(b is not None and not math.isfinite(b) for b in (lo, hi)):
+        return None  # no bound at all, or an impossible one (clamp(min=inf))
     return Op("unary", (node.args[0], "clamp", None if lo is None else float(lo), None if hi is None else float(hi)),
               _spell(node))
 
@@ -591,13 +594,24 @@ _VIEW_FUNCTIONS = frozenset((
 ))
 
 
+_INPLACE_OPERATORS = frozenset((
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
+))
+
+
 def _writes(user: fx.Node, node: fx.Node) -> bool:
+    if user.kwargs.get("out") is node:
+        return True  # torch.logical_and(keep, pad, out=keep)
+    first = bool(user.args) and user.args[0] is node
     if user.op == "call_method":
         name = str(user.target)
-        return bool(user.args) and user.args[0] is node and name.endswith("_") and not name.startswith("__")
+        if name.startswith("__i") and name.endswith("__"):
+            return first  # x.__iand__(y)
+        return first and name.endswith("_") and not name.startswith("__")
     if user.op == "call_function":
-        if user.target is operator.setitem:
-            return bool(user.args) and user.args[0] is node
+        if user.target is operator.setitem or user.target in _INPLACE_OPERATORS:
+            return first  # x[...] = y; x &= y through another name (dynamo keeps the old name for aliases)
         schema = getattr(user.target, "_schema", None)
         if schema is not None:
             for i, a in enumerate(schema.arguments):
@@ -612,7 +626,8 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
     return False
 
 
-def _aliases(user: fx.Node) -> bool:
+def aliases(user: fx.Node) -> bool:
+    """``user``'s result may be a view of (share memory with) its first argument."""
     if user.op == "call_method":
         return str(user.target) in _VIEW_METHODS
     if user.op == "call_function":
@@ -635,6 +650,6 @@ def mutated(node: Any, depth: int = 8) -> bool:
     for user in node.users:
         if _writes(user, node):
             return True
-        if _aliases(user) and mutated(user, depth - 1):
+        if aliases(user) and mutated(user, depth - 1):
             return True
     return False

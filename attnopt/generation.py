@@ -404,7 +404,7 @@ def _not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | Non
     if spec.score_mod is not None:
         return f"modifies its scores ({spec.score_mod})"
     if spec.conditions:
-        return ("is causal only while a mask term computed at run time (e.g. a padding mask) keeps every key, "
+        return ("is causal only while a mask term computed at run time (e.g. a padding mask) hides no key, "
                 "which the cache cannot check")
     if spec.window is not None:
         return f"attends through a sliding window of {spec.window} keys, which the cache does not apply yet"

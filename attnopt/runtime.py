@@ -73,8 +73,16 @@ def band_pattern(t: torch.Tensor, max_cuts: int = 4) -> tuple[tuple[int, ...], t
 
 
 def is_band(t: torch.Tensor, cuts: tuple[int, ...], values: tuple[Any, ...]) -> bool:
-    """``t`` holds exactly the band ``(cuts, values)`` (see :func:`band_pattern`)."""
-    return band_pattern(t, max_cuts=len(cuts)) == (tuple(cuts), tuple(values))
+    """``t`` holds exactly the band ``(cuts, values)`` (see :func:`band_pattern`); a few passes over ``t``."""
+    if t.dim() < 2 or any(s != 1 for s in t.shape[:-2]) or len(values) != len(cuts) + 1:
+        return False
+    t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
+    expected = torch.full(t2.shape, values[-1], dtype=t2.dtype, device=t2.device)
+    if cuts:
+        ones = torch.ones(t2.shape, dtype=torch.bool, device=t2.device)
+        for c, v in zip(reversed(cuts), reversed(values[:-1])):  # d <= c holds v, below the next cut down
+            expected = torch.where(ones.tril(c), torch.tensor(v, dtype=t2.dtype, device=t2.device), expected)
+    return bool(torch.equal(t2, expected))
 
 
 def candidate_layout(q: torch.Tensor, k: torch.Tensor,

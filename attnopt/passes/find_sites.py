@@ -292,7 +292,10 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     for kind, payload in chain:
         if kind == "mod":
             if masks:
-                step = ElementwiseScoreMod((payload,)).describe() if payload[0] != "mul" else payload[0]
+                try:
+                    step = ElementwiseScoreMod((payload,)).describe()
+                except ValueError:
+                    step = str(payload[0])
                 raise NearMiss(f"the score modifier {step} is applied after a mask (it would change the "
                                "masked scores too)")
             mods.append(payload)
@@ -336,7 +339,10 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
             scale = scale * value
     if not math.isfinite(scale):
         raise NearMiss(f"the scale {scale} is not finite")
-    score_mod = ElementwiseScoreMod(tuple(mods)) if mods else None
+    try:
+        score_mod = ElementwiseScoreMod(tuple(mods)) if mods else None
+    except ValueError as e:
+        raise NearMiss(f"the score modifier is not one attnopt reads: {e}") from e
 
     # ---- operands: q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv]
     k = None

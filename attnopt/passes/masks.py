@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..canon import attr_value, dtype_of, meta_value, mutated, read, shape_of
+from ..canon import aliases, attr_value, dtype_of, meta_value, mutated, read, shape_of
 from ..runtime import band_pattern
 
 
@@ -232,15 +232,20 @@ class BandReader:
             return self._compare(k, op.args[0], op.args[1], rows, cols)
         if k == "not":
             b = self.band(op.args[0])
-            if not all(isinstance(v, bool) for v in b.values):
-                raise _Unknown
+            if dtype_of(node) != torch.bool or not all(isinstance(v, bool) for v in b.values):
+                raise _Unknown  # ~ on integers is bitwise
             return b.map(lambda v: not v)
         if k in _COMBINE:
             a, c = op.args
             if k in ("add", "mul") and not (isinstance(a, fx.Node) and isinstance(c, fx.Node)):
                 raise _Unknown
-            if k in ("and", "or") and dtype_of(node) == torch.bool:
+            dt = dtype_of(node)
+            if k in ("and", "or"):
+                if dt != torch.bool:
+                    raise _Unknown  # & and | on integers are bitwise
                 return self._logical(k, a, c, rows, cols)
+            if dt is None or not dt.is_floating_point:
+                raise _Unknown  # integer sums and products wrap around
             return _convert(_merge(self._operand(a, rows, cols), self._operand(c, rows, cols), _COMBINE[k]),
                             dtype_of(node))
         if k in ("where", "masked_fill"):
@@ -272,7 +277,8 @@ class BandReader:
                 known.append(self._operand(x, rows, cols))
             except _Unknown:
                 del self.guarded[mark[0]:], self.conditions[mark[1]:]
-                if not (isinstance(x, fx.Node) and dtype_of(x) == torch.bool and _broadcasts(x, rows, cols)):
+                if not (isinstance(x, fx.Node) and dtype_of(x) == torch.bool and _broadcasts(x, rows, cols)
+                        and not _written(x)):
                     raise
                 assumed.append((x, k == "and"))
                 known.append(Band.const(rows, cols, k == "and"))
@@ -362,21 +368,22 @@ class BandReader:
         """``node`` as index arithmetic over ``arange``."""
         if mutated(node):
             raise _Unknown
-        dt = dtype_of(node)
-        if dt is None or dt.is_floating_point or dt == torch.bool or dt.is_complex:
-            raise _Unknown
+        if dtype_of(node) not in (torch.int32, torch.int64):
+            raise _Unknown  # narrower or unsigned integers wrap around
         shape = shape_of(node)
         if shape is None:
             raise _Unknown
         if node.op == "call_function" and node.target in _ARANGE:
             args = [_value(a) for a in node.args]
+            kw = {name: _value(node.kwargs[name]) for name in ("start", "end", "step") if name in node.kwargs}
             if len(args) == 1:
-                start, step = 0, 1
+                args = [kw.get("start", 0), args[0], kw.get("step", 1)]  # arange(end) (start/step may be keywords)
             elif len(args) == 2:
-                start, step = args[0], 1
-            else:
-                start, step = args[0], args[2]
-            if not isinstance(step, int) or node.kwargs.get("start") is not None or "step" in node.kwargs:
+                args = [args[0], args[1], kw.get("step", 1)]
+            elif not args:
+                args = [kw.get("start", 0), kw.get("end"), kw.get("step", 1)]
+            start, step = args[0], args[2]
+            if not isinstance(step, int) or not isinstance(start, (int, torch.SymInt)):
                 raise _Unknown
             return _Affine(tuple(shape), (step,), start)
         op = read(node, self.root)
@@ -452,6 +459,19 @@ class BandReader:
         return b.shifted(r0 - c0, rows, cols)
 
 
+def _written(x: fx.Node) -> bool:
+    """``x``, or a tensor it is a view of, is written in place somewhere in the graph."""
+    cur: Any = x
+    for _ in range(16):
+        if mutated(cur):
+            return True
+        if not (isinstance(cur, fx.Node) and cur.op in ("call_function", "call_method") and cur.args
+                and isinstance(cur.args[0], fx.Node) and aliases(cur)):
+            return False
+        cur = cur.args[0]
+    return True
+
+
 def _broadcasts(x: fx.Node, rows: Any, cols: Any) -> bool:
     """``x``'s last two dims broadcast against ``(rows, cols)``."""
     shape = shape_of(x)
@@ -489,14 +509,26 @@ def _affine_sum(x: Any, y: Any, sign: int) -> _Affine:
 
 
 def _reshaped(x: _Affine, shape: tuple[Any, ...], node: fx.Node) -> _Affine:
-    """A view that only adds, drops or expands size-1 dims."""
+    """A view that only adds or drops size-1 dims, or an ``expand`` (aligned from the right, like broadcasting)."""
+    if node.target in ("expand", "broadcast_to", torch.broadcast_to, torch.ops.aten.expand.default):
+        if len(shape) < len(x.shape):
+            raise _Unknown
+        lead = len(shape) - len(x.shape)
+        coef = [0] * lead
+        for s, c, n in zip(x.shape, x.coef, shape[lead:]):
+            if _same(s, n):
+                coef.append(c)
+            elif _same(s, 1):
+                coef.append(0)  # a broadcast dim: the same value along it
+            else:
+                raise _Unknown
+        return _Affine(shape, tuple(coef), x.const)
     src = [(s, c) for s, c in zip(x.shape, x.coef) if not _same(s, 1)]
-    expand = node.target in ("expand", "broadcast_to", torch.broadcast_to, torch.ops.aten.expand.default)
     coef = []
     for n in shape:
         if src and _same(src[0][0], n):
             coef.append(src.pop(0)[1])
-        elif _same(n, 1) or expand:
+        elif _same(n, 1):
             coef.append(0)
         else:
             raise _Unknown

@@ -64,9 +64,12 @@ def scaled_mask(mask: torch.Tensor, factor: float) -> torch.Tensor:
     """``mask * factor`` for ``(scores + mask) * factor``, with the dtype's minimum (a masked key) kept in value.
 
     The site recognises rows whose keys all hold the minimum by that value; the gradient is
-    ``factor`` everywhere, as written (rows with every key masked do send one to the mask).
+    ``factor`` everywhere, as written (rows with every key masked do send one to the mask). A factor
+    above 1 takes the minimum to ``-inf``, exactly as the code as written does, so it is not kept.
     """
     scaled = mask * factor
+    if factor > 1.0:
+        return scaled  # the minimum overflows to -inf, as it does in ``(scores + mask) * factor``
     at_min = mask == torch.finfo(mask.dtype).min
     return scaled + torch.where(at_min, mask - scaled, torch.zeros((), dtype=mask.dtype, device=mask.device)).detach()
 
