@@ -1,18 +1,29 @@
-"""Property tests over the spelling grammar (attention-spellings.md, sections A-E).
+"""Property tests over the spelling grammar (attention-spellings.md, sections A-E and G).
 
-A hypothesis strategy draws one choice on every axis (score product, scale, mask, softmax,
-dropout, head split/merge, layout, GQA, cross-attention, dtype, train/eval) and builds an
-``nn.Module`` whose ``forward`` is written in exactly those spellings. For each module:
+A hypothesis strategy draws one choice on every axis (score product, scale, score modifier, mask,
+softmax, dropout, head split/merge, layout, GQA, cross-attention, dtype, train/eval) and builds an
+``nn.Module`` whose ``forward`` is written in exactly those spellings. Masks are padding masks,
+causal masks, causal sliding windows of a drawn width ``w`` in 1..T+1 (buffers, ``tril``/``triu``
+chains, ``arange`` index arithmetic, two fills, additive dtype-minimum masks expanded over the batch;
+top-left or bottom-right) and bands that are not causal (two-sided, future). A scale may follow any
+mask (``(s + mask) * c`` included); a score modifier (tanh cap, sigmoid, clamp/clip, constant shifts,
+combinations) may follow the scale. For each module:
 
 * the site is rewritten (one site, zero near misses);
 * outputs equal the original's (eval), gradients w.r.t. inputs and parameters too;
+* causal masks are proven causal in the drawn alignment; band masks are proven exactly as
+  ``expected_proof`` derives from the band's edges (``spec.window == w`` for windows inside the
+  matrix), never otherwise; the modifier is read as ``spec.score_mod``;
 * in training mode dropout p>0 is applied, p=0 changes nothing;
 * rewriting the rewritten graph finds nothing and changes nothing.
 
 Most examples run on the FX graph dynamo captures (``attnopt.rewrite(gm, example_inputs,
-variant="sdpa")``: the matcher and the rewrite are under test, not the selector); a few go end
-to end through ``attnopt.optimize`` with the default ``variant="auto"``. ``EXERCISED`` collects the axis choices seen;
-the run's summary prints how many distinct combinations were exercised.
+variant=...)``: the matcher and the rewrite are under test, not the selector): ``"sdpa"``, or for a
+site with a score modifier (which SDPA refuses) ``"math"`` or ``"tiled64"`` (``variant_for``). A few
+go end to end through ``attnopt.optimize`` with the default ``variant="auto"``. Combinations the
+library does not rewrite yet are kept out by ``known_gap`` and pinned by strict xfails.
+``EXERCISED`` collects the axis choices seen (a window's width as its regime,
+``Spelling.window_regime``); the run's summary prints how many distinct combinations were exercised.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from support import capture
 
@@ -37,7 +48,37 @@ EXERCISED: dict[str, set[tuple]] = defaultdict(set)
 CAUSAL_MASKS = ("tril_float_eq0", "bool_where", "bool_fill_not", "uint8_bool", "runtime_ones_tril",
                 "runtime_full_triu", "fill_inplace")
 PADDING_MASKS = ("arg_add_row", "arg_add_full", "arg_fill_min", "arg_fill_1e4", "arg_where_100")
-ADDED_MASKS = ("arg_add_row", "arg_add_full", "runtime_full_triu")  # a scale after these is refused
+BOUNDED_FILLS = ("arg_fill_1e4", "arg_where_100")  # finite fills: exact under a bound that no score modifier keeps
+# Causal sliding windows of width ``w`` (query i keeps keys i - w < j <= i, shifted by Tk - Tq bottom-right).
+# ``win_buffer*`` read the band from a registered buffer's values; the others build it from sizes and indices.
+BUFFER_WINDOWS = ("win_buffer", "win_buffer_bool")
+WINDOW_MASKS = (*BUFFER_WINDOWS, "win_tril_triu", "win_tril_and_not", "win_arange", "win_arange_dist",
+                "win_arange_le_gt", "win_two_fills", "win_add_min", "win_add_where")
+# Bands that are not causal windows in general (local both ways, keys ahead): exact with the mask tensor. Where
+# the band happens to be a causal window (a future band of width Tk - Tq + 1 is the bottom-right window of that
+# width) it is proven as one; ``abs`` is not read, so the two-sided band never is.
+OTHER_BANDS = ("band_two_sided", "band_future")
+# Index arithmetic over ``arange(Tq)``: with Tq == 1 the row index is a size-1 dim the band reader cannot see.
+ARANGE_BANDS = ("win_arange", "win_arange_dist", "win_arange_le_gt", "win_add_min", *OTHER_BANDS)
+ADDED_MASKS = ("arg_add_row", "arg_add_full", "runtime_full_triu", "win_add_min", "win_add_where")  # scores + mask
+SCORE_MODS = {  # spelling -> what explain() describes (the scale may join a modifier's factor: substring only)
+    "tanh_cap": "tanh(s)", "sigmoid": "sigmoid(s)", "sigmoid_scaled": "sigmoid(s)", "clamp": "clamp(s, -2, 2)",
+    "clip_min": "clamp(s, -1, None)", "clamp_inplace": "clamp(s, None, 1.5)", "shift_add": "+ 1.5",
+    "shift_sub": "- 0.5", "tanh_shift": "tanh((s - 0.25))", "tanh_then_clamp": "clamp(",
+}
+
+
+def known_gap(mask: str, scale: str, score_mod: str) -> str | None:
+    """Combinations the library does not rewrite yet although it should (found by this grammar, reported).
+
+    The grammar does not draw them; ``test_known_gaps`` runs each one as a strict xfail, so the
+    exclusion fails loudly once the library is fixed: then delete its line here.
+    """
+    if score_mod in ("shift_sub", "tanh_shift") and mask in ADDED_MASKS:
+        return "sub_then_added_mask"  # `s - c` is not walked back to the product: "no score operand"
+    if score_mod != "none" and mask == "arg_fill_min" and scale == "after_mask":
+        return "min_fill_scaled_after_mod"  # min * c reads as a finite fill, refused after a modifier
+    return None
 
 QK_EINSUM = {
     4: ("bhqd,bhkd->bhqk", "b h i d, b h j d -> b h i j", "zyad,zycd->zyac", "...id,...jd->...ij",
@@ -72,6 +113,7 @@ class Spelling:
     custom_scale: bool
     mask: str
     causal_align: str  # "top_left" | "bottom_right" (only when Tq != Tk)
+    score_mod: str  # "none" or a key of SCORE_MODS, applied after the scale and before the mask
     softmax: str  # "F" | "F_dim_pos" | "torch" | "method" | "module" | "dtype_f32" | "float_type_as"
     dropout: str  # "module" | "functional" | "none"
     p: float
@@ -86,11 +128,31 @@ class Spelling:
     Tq: int
     Tk: int
     D: int
+    window: int = 0  # w of WINDOW_MASKS and OTHER_BANDS, drawn 1..T+1; 0 for the other masks
 
     def axes(self) -> tuple:
-        """The spelling choices, without sizes (what counts as a distinct combination)."""
-        skip = {"B", "H", "Tq", "Tk", "D"}
-        return tuple(v for f, v in zip(fields(self), astuple(self)) if f.name not in skip)
+        """The spelling choices, without sizes (what counts as a distinct combination).
+
+        A band's width counts only as its regime: which of its edges lie inside the mask matrix.
+        """
+        skip = {"B", "H", "Tq", "Tk", "D", "window"}
+        return (*(v for f, v in zip(fields(self), astuple(self)) if f.name not in skip), self.window_regime)
+
+    @property
+    def window_regime(self) -> str:
+        """Where the keep band's edges lie in the (Tq, Tk) mask: "none" (no band), "inside" (both edges cut the
+        matrix), "wide" (no key is ``w`` or more behind a query: only the upper edge cuts), "one_row" (Tq == 1
+        bottom-right: nothing lies above the diagonal), "all" (neither edge cuts: every key is kept)."""
+        if not self.window:
+            return "none"
+        lower = self.window <= self.Tq - 1 + self.r0  # hidden d = j - i <= r0 - w exists
+        upper = self.r0 <= self.Tk - 2  # hidden d > r0 exists
+        return {(True, True): "inside", (False, True): "wide", (True, False): "one_row"}.get((lower, upper), "all")
+
+    @property
+    def r0(self) -> int:
+        """The diagonal's offset: ``Tk - Tq`` for bottom-right masks, else 0."""
+        return self.Tk - self.Tq if self.causal_align == "bottom_right" else 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,12 +179,15 @@ def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Sp
         Tk = T if attn == "decode" else draw(st.sampled_from([T, max(1, Tq - 1) if Tq > 1 else T]))
         if Tq == Tk:
             Tk = Tq + 1
-    masks = ["none", *PADDING_MASKS] + (list(CAUSAL_MASKS) if attn != "cross" else [])
+    aligned = (*CAUSAL_MASKS, *WINDOW_MASKS, *OTHER_BANDS)  # masks drawn top-left or bottom-right
+    masks = ["none", *PADDING_MASKS] + (list(aligned) if attn != "cross" else [])
     mask = draw(st.sampled_from(masks))
-    causal_align = draw(st.sampled_from(["top_left", "bottom_right"])) if (mask in CAUSAL_MASKS and Tq != Tk) \
+    causal_align = draw(st.sampled_from(["top_left", "bottom_right"])) if (mask in aligned and Tq != Tk) \
         else "top_left"
-    scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none", "mul_", "idiv"]
-                                 + (["after_mask"] if mask not in ADDED_MASKS else [])))
+    window = draw(st.integers(1, T + 1)) if mask in WINDOW_MASKS or mask in OTHER_BANDS else 0
+    scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none", "mul_", "idiv", "after_mask"]))
+    mods = [m for m in sorted(SCORE_MODS) if known_gap(mask, scale, m) is None] if mask not in BOUNDED_FILLS else []
+    score_mod = draw(st.sampled_from(mods)) if mods and draw(st.booleans()) else "none"
     custom_scale = draw(st.booleans()) if scale in ("mul", "div", "full0d", "on_q", "after_mask") else False
     softmax = draw(st.sampled_from(["F", "F_dim_pos", "torch", "method", "module", "dtype_f32", "float_type_as"]))
     dropout = draw(st.sampled_from(["module", "functional", "none"]))
@@ -133,9 +198,10 @@ def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Sp
     kv_repeat = draw(st.sampled_from(["repeat_kv", "repeat_interleave", "tiled"])) if n_rep > 1 else "repeat_kv"
     return Spelling(
         layout=layout, product=product, einsum_eq=einsum_eq, kt=kt, pv=pv, pv_eq=pv_eq, scale=scale,
-        custom_scale=custom_scale, mask=mask, causal_align=causal_align, softmax=softmax, dropout=dropout, p=p,
-        split=split, merge=merge, n_rep=n_rep, kv_repeat=kv_repeat, attn=attn, dtype=draw(st.sampled_from(dtypes)),
-        B=draw(st.integers(1, 2)), H=H, Tq=Tq, Tk=Tk, D=draw(st.sampled_from([4, 8])),
+        custom_scale=custom_scale, mask=mask, causal_align=causal_align, score_mod=score_mod, softmax=softmax,
+        dropout=dropout, p=p, split=split, merge=merge, n_rep=n_rep, kv_repeat=kv_repeat, attn=attn,
+        dtype=draw(st.sampled_from(dtypes)),
+        B=draw(st.integers(1, 2)), H=H, Tq=Tq, Tk=Tk, D=draw(st.sampled_from([4, 8])), window=window,
     )
 
 
@@ -164,6 +230,12 @@ class GrammarAttention(nn.Module):
             self.register_buffer("bias", torch.ones(n, n, dtype=torch.bool).tril().view(*lead, n, n))
         elif s.mask == "uint8_bool":
             self.register_buffer("bias", torch.ones(n, n, dtype=torch.uint8).tril().view(*lead, n, n))
+        elif s.mask == "win_buffer":
+            ones = torch.ones(n, n)
+            self.register_buffer("bias", (ones.tril() * ones.triu(-(s.window - 1))).view(*lead, n, n))
+        elif s.mask == "win_buffer_bool":
+            ones = torch.ones(n, n, dtype=torch.bool)
+            self.register_buffer("bias", (ones.tril() & ones.triu(-(s.window - 1))).view(*lead, n, n))
         if s.softmax == "module":
             self.softmax = nn.Softmax(dim=-1)
         self.lookalike = lookalike  # a section F perturbation (test_lookalikes_are_never_rewritten)
@@ -248,6 +320,30 @@ class GrammarAttention(nn.Module):
             return att
         return att
 
+    def _score_mod(self, att: torch.Tensor) -> torch.Tensor:
+        mod = self.s.score_mod
+        if mod == "tanh_cap":
+            return torch.tanh(att / 5.0) * 5.0
+        if mod == "sigmoid":
+            return torch.sigmoid(att)
+        if mod == "sigmoid_scaled":
+            return att.sigmoid() * 8.0
+        if mod == "clamp":
+            return torch.clamp(att, -2.0, 2.0)
+        if mod == "clip_min":
+            return att.clip(min=-1.0)
+        if mod == "clamp_inplace":
+            return att.clamp_(max=1.5)
+        if mod == "shift_add":
+            return att + 1.5
+        if mod == "shift_sub":
+            return att - 0.5
+        if mod == "tanh_shift":
+            return torch.tanh(att / 4.0 - 0.25) * 4.0
+        if mod == "tanh_then_clamp":
+            return (torch.tanh(att / 5.0) * 5.0).clamp(min=-3.0)
+        return att
+
     def _scale_after_mask(self, att: torch.Tensor) -> torch.Tensor:
         return att * self.scale_value if self.s.scale == "after_mask" else att
 
@@ -280,7 +376,51 @@ class GrammarAttention(nn.Module):
             return att.masked_fill(mask, -1e4)
         if s.mask == "arg_where_100":
             return torch.where(mask, -100.0, att)
+        if s.mask in WINDOW_MASKS or s.mask in OTHER_BANDS:
+            return self._band(att, tq, tk, r0)
         return att
+
+    def _band(self, att: torch.Tensor, tq: int, tk: int, r0: int) -> torch.Tensor:
+        """A band of width ``w`` around the diagonal ``j - i == r0``, in the spelling ``s.mask`` names."""
+        s, w, dev, inf = self.s, self.s.window, att.device, float("-inf")
+        if s.mask == "win_buffer":
+            return att.masked_fill(self.bias[..., r0:r0 + tq, :tk] == 0, inf)
+        if s.mask == "win_buffer_bool":
+            return torch.where(self.bias[..., r0:tk, :tk] if r0 else self.bias[..., :tq, :tk], att, inf)
+        if s.mask == "win_two_fills":  # the future, then keys w or more behind
+            att = att.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=dev).triu(r0 + 1), inf)
+            return att.masked_fill(torch.ones(tq, tk, dtype=torch.bool, device=dev).tril(r0 - w), inf)
+        i = torch.arange(tq, device=dev)[:, None] + r0 if r0 else torch.arange(tq, device=dev)[:, None]
+        j = torch.arange(tk, device=dev)[None, :]
+        if s.mask == "win_tril_triu":
+            keep = torch.ones(tq, tk, dtype=torch.bool, device=dev).tril(r0).triu(r0 - (w - 1))
+        elif s.mask == "win_tril_and_not":
+            ones = torch.ones(tq, tk, dtype=torch.bool, device=dev)
+            keep = ones.tril(r0) & ~ones.tril(r0 - w)
+        elif s.mask == "win_arange":
+            keep = (i >= j) & (i - j < w)
+        elif s.mask == "win_arange_dist":
+            idx = torch.arange(tk, device=dev)
+            rows = idx.view(-1, 1) if tq == tk else idx[r0:].view(-1, 1) if r0 else idx[:tq].view(-1, 1)
+            d = rows - idx.view(1, -1)  # q_idx - kv_idx
+            keep = torch.logical_and(d >= 0, d <= w - 1)
+        elif s.mask == "win_arange_le_gt":
+            keep = torch.le(j, i) & torch.gt(j, i - w)
+        elif s.mask == "band_two_sided":
+            keep = (i - j).abs() < w
+        elif s.mask == "band_future":
+            keep = (j >= i) & (j - i < w)
+        else:  # additive masks of the dtype's minimum, expanded over the batch (Hugging Face style)
+            lo = torch.finfo(att.dtype).min
+            if s.mask == "win_add_min":
+                hidden = (j > i) | (i - j >= w)
+                add = torch.zeros(tq, tk, dtype=att.dtype, device=dev).masked_fill(hidden, lo)
+            else:  # win_add_where
+                keep = torch.ones(tq, tk, dtype=torch.bool, device=dev).tril(r0).triu(r0 - (w - 1))
+                add = torch.where(keep, 0.0, lo).to(att.dtype)
+            lead = (att.size(0), 1) if att.dim() == 4 else (att.size(0),)
+            return att + add.view(*(1,) * len(lead), tq, tk).expand(*lead, tq, tk)
+        return att.masked_fill(~keep, inf)
 
     def _softmax(self, att: torch.Tensor) -> torch.Tensor:
         kind = self.s.softmax
@@ -321,6 +461,7 @@ class GrammarAttention(nn.Module):
             v = v.reshape(B * s.H, *v.shape[2:])
         att = self._scores(q, k)  # (.., Tq, Tk)
         att = self._scale(att)
+        att = self._score_mod(att)
         look = self.lookalike
         if look == "talking_heads":  # heads mixed between the product and the softmax
             att = torch.einsum("bhqk,hg->bgqk", att, self.mix)
@@ -365,6 +506,34 @@ def make_case(s: Spelling, lookalike: str = "none") -> tuple[GrammarAttention, t
     else:
         mask = masked
     return model, (x, kv, mask)
+
+
+def expected_proof(s: Spelling) -> tuple[str | None, int | None]:
+    """``(spec.causal, spec.window)`` that the band masks must be proven as.
+
+    Every band keeps the keys with ``lo < j - i <= hi``; it is causal when ``hi`` is the top-left (0) or the
+    bottom-right (Tk - Tq) diagonal, and a window of ``hi - lo`` when it has a lower edge. Masks built from sizes
+    keep their edges symbolically, so a window wider than the matrix is still proven as ``w`` (equal to causal
+    there, so exact either way); a buffer is read from its values, so a window as wide as the buffer
+    (``n = max(Tq, Tk)``) reads as plain causal. Not read at all: ``abs`` (two-sided bands) and index arithmetic
+    over a single query row (Tq == 1).
+    """
+    r0, w = s.r0, s.window
+    if s.mask == "band_two_sided" or (s.mask in ARANGE_BANDS and s.Tq == 1):
+        return None, None
+    lo, hi = (r0 - 1, r0 + w - 1) if s.mask == "band_future" else (r0 - w, r0)
+    if s.mask in BUFFER_WINDOWS and w >= max(s.Tq, s.Tk):
+        lo = None  # the buffer's band has no lower edge
+    causal = "top_left" if hi == 0 else "bottom_right" if hi == s.Tk - s.Tq else None
+    return (causal, None if lo is None or causal is None else hi - lo)
+
+
+def variant_for(s: Spelling) -> str:
+    """The candidate the FX properties rewrite for: SDPA, or one that takes ``score_mod`` (math when dropout is
+    drawn: the tiled kernel has none). Chosen from the spelling's hash, so a replayed example keeps it."""
+    if s.score_mod == "none":
+        return "sdpa"
+    return "math" if s.dropout != "none" or zlib.crc32(repr(s).encode()) % 2 else "tiled64"
 
 
 def tol(s: Spelling) -> dict:
@@ -417,12 +586,26 @@ def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
     model, inputs = make_case(s)
     model.eval()
     gm, ex = capture(model, *inputs)
-    new = attnopt.rewrite(gm, ex, variant="sdpa")
+    variant = variant_for(s)
+    new = attnopt.rewrite(gm, ex, variant=variant)
     assert_rewritten_once(new)
-    spec = new.meta["attnopt_report"].records[0].spec
+    record = new.meta["attnopt_report"].records[0]
+    spec = record.spec
+    assert record.rewrite == variant, str(record)
     assert spec.dropout_p == 0.0 or spec.dropout_mode != "on"
     if s.mask in CAUSAL_MASKS:
-        assert spec.causal == s.causal_align, f"{s.mask} {s.causal_align}: {spec.describe()}"
+        assert (spec.causal, spec.window) == (s.causal_align, None), f"{s.mask} {s.causal_align}: {spec.describe()}"
+    elif s.window:
+        proof = expected_proof(s)
+        assert (spec.causal, spec.window) == proof, f"{s.mask} w={s.window} {s.causal_align}: {spec.describe()}"
+        if proof[1] is not None:
+            assert f"sliding window {proof[1]}" in record.reason, record.reason
+    elif s.mask == "none":  # (an input mask whose values form a band is proven, guarded per call: not asserted)
+        assert spec.causal is None and spec.window is None, spec.describe()
+    if s.score_mod == "none":
+        assert spec.score_mod is None, spec.describe()
+    else:
+        assert SCORE_MODS[s.score_mod] in (spec.score_mod or ""), f"{s.score_mod}: {spec.describe()}"
     if s.n_rep > 1:
         assert spec.gqa == (s.kv_repeat != "tiled"), spec.describe()  # tiled heads are not enable_gqa's mapping
     if s.mask in ("arg_fill_1e4", "arg_where_100"):
@@ -444,7 +627,7 @@ def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
         assert_grad_close(a, b, s, f"gradient of graph input {i}", scale)
 
     # idempotence: a rewritten graph has no site left and is left exactly as it is
-    again = attnopt.rewrite(new, ex, variant="sdpa")
+    again = attnopt.rewrite(new, ex, variant=variant)
     assert again.meta["attnopt_report"].rewritten == 0
     assert len(again.meta["attnopt_report"].records) == 0
     assert again.code == new.code
@@ -464,13 +647,13 @@ def test_lookalikes_are_never_rewritten(s: Spelling, look: str) -> None:
     model, inputs = make_case(s, look)
     model.eval()
     gm, ex = capture(model, *inputs)
-    new = attnopt.rewrite(gm, ex, variant="sdpa")
+    new = attnopt.rewrite(gm, ex, variant=variant_for(s))  # a candidate that would take the site's modifier
     report = new.meta["attnopt_report"]
     assert report.rewritten == 0, f"{look}: {report}"
     assert all(r.reason for r in report.records), str(report)
     with torch.no_grad():
-        for a, b in zip(new(*ex), gm(*ex)):
-            assert torch.equal(a, b), look
+        for a, b in zip(new(*ex), gm(*ex)):  # (NaN where a softmax over queries sees only masked keys)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=look)
 
 
 # ----------------------------------------------------------------------------- train mode: dropout
@@ -479,13 +662,16 @@ def test_lookalikes_are_never_rewritten(s: Spelling, look: str) -> None:
 @given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.dropout != "none" and s.B * s.H * s.Tq * s.Tk >= 8))
 @settings(max_examples=settings().max_examples * 2)
 def test_grammar_train_dropout(s: Spelling) -> None:
+    with torch.no_grad():  # dropout shows only on nonzero probabilities (a window of 1 keeps one per row)
+        probs = make_case(s, "probs_returned")[0].eval()(*make_case(s)[1])[1]
+    assume(int((probs != 0).sum()) >= 8)
     EXERCISED["fx train"].add(s.axes())
     model, inputs = make_case(s)
     with torch.no_grad():
         eval_out = first(model.eval()(*inputs))
     model.train()
     gm, ex = capture(model, *inputs)
-    new = attnopt.rewrite(gm, ex, variant="sdpa")
+    new = attnopt.rewrite(gm, ex, variant=variant_for(s))
     assert_rewritten_once(new)
     spec = new.meta["attnopt_report"].records[0].spec
     with torch.no_grad():
@@ -493,9 +679,9 @@ def test_grammar_train_dropout(s: Spelling) -> None:
     assert torch.isfinite(train_out).all()
     if s.p > 0:
         assert spec.dropout_p == s.p and spec.dropout_mode != "off", spec.describe()
-        # p=0.25 drops some of the B*H*Tq*Tk >= 8 probabilities
+        # p=0.25 drops some of the >= 8 nonzero probabilities (or scales all that it keeps)
         assert not torch.allclose(train_out, eval_out, atol=1e-4), "dropout was not applied in training mode"
-        outs = {first(new(*ex)).sum().item() for _ in range(5)}  # >= 8 probabilities: masks differ
+        outs = {first(new(*ex)).sum().item() for _ in range(5)}  # >= 8 nonzero probabilities: masks differ
         assert len(outs) > 1, "dropout draws the same mask every call"
     else:
         assert spec.dropout_p == 0.0
@@ -533,7 +719,7 @@ def test_grammar_end_to_end_optimize(s: Spelling) -> None:
 def test_end_to_end_parameter_grads_match() -> None:
     """optimize() shares the parameters; their gradients equal those of the original model."""
     s = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv_eq="", scale="mul",
-                 custom_scale=False, mask="tril_float_eq0", causal_align="top_left", softmax="F",
+                 custom_scale=False, mask="tril_float_eq0", causal_align="top_left", score_mod="none", softmax="F",
                  dropout="module", p=0.1, split="view_transpose", merge="transpose_contiguous_view", n_rep=2,
                  kv_repeat="repeat_kv", attn="self", dtype="fp32", B=2, H=4, Tq=7, Tk=7, D=8)
     model, inputs = make_case(s)
@@ -553,10 +739,9 @@ def test_end_to_end_parameter_grads_match() -> None:
 def test_single_query_decode(align: str) -> None:
     """Tq == 1 against a longer key sequence with a sliced causal buffer: exact either way."""
     s = Spelling(layout="4d", product="matmul", einsum_eq="", kt="t_pos", pv="matmul", pv_eq="", scale="div",
-                 custom_scale=False, mask="tril_float_eq0", causal_align=align, softmax="F", dropout="none",
-                 p=0.0, split="view_transpose", merge="transpose_contiguous_view", n_rep=1, kv_repeat="repeat_kv",
-                 attn="decode",
-                 dtype="fp32", B=2, H=2, Tq=1, Tk=9, D=8)
+                 custom_scale=False, mask="tril_float_eq0", causal_align=align, score_mod="none", softmax="F",
+                 dropout="none", p=0.0, split="view_transpose", merge="transpose_contiguous_view", n_rep=1,
+                 kv_repeat="repeat_kv", attn="decode", dtype="fp32", B=2, H=2, Tq=1, Tk=9, D=8)
     model, inputs = make_case(s)
     model.eval()
     gm, ex = capture(model, *inputs)
@@ -570,8 +755,8 @@ def test_single_query_decode(align: str) -> None:
 # ----------------------------------------------------------------------------- fixed regressions, named
 
 BASE = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv_eq="", scale="mul",
-                custom_scale=False, mask="none", causal_align="top_left", softmax="F", dropout="none", p=0.0,
-                split="view_transpose", merge="transpose_contiguous_view", n_rep=1, kv_repeat="repeat_kv",
+                custom_scale=False, mask="none", causal_align="top_left", score_mod="none", softmax="F", dropout="none",
+                p=0.0, split="view_transpose", merge="transpose_contiguous_view", n_rep=1, kv_repeat="repeat_kv",
                 attn="self", dtype="fp32", B=1, H=1, Tq=2, Tk=2, D=4)
 
 
@@ -586,3 +771,40 @@ def test_named_regressions(changes: dict) -> None:
     from dataclasses import replace
 
     test_grammar_eval_outputs_grads_idempotent.hypothesis.inner_test(replace(BASE, **changes))
+
+
+SELF4 = dict(attn="self", Tq=4, Tk=4)
+DECODE_BR = dict(attn="decode", Tq=3, Tk=5, causal_align="bottom_right")
+EVERY_NEW_SPELLING = {  # each band, modifier and scale-after-added-mask at least once, whatever hypothesis draws
+    **{f"{m}-self": dict(mask=m, window=2, **SELF4) for m in (*WINDOW_MASKS, *OTHER_BANDS)},
+    **{f"{m}-decode-br": dict(mask=m, window=3, **DECODE_BR) for m in (*WINDOW_MASKS, *OTHER_BANDS)},
+    **{f"{m}-win_two_fills": dict(score_mod=m, mask="win_two_fills", window=2, **SELF4) for m in SCORE_MODS},
+    **{f"after_{m}": dict(scale="after_mask", custom_scale=True, mask=m, window=2, **DECODE_BR)
+       for m in ADDED_MASKS},
+}
+
+
+@pytest.mark.parametrize("changes", list(EVERY_NEW_SPELLING.values()), ids=list(EVERY_NEW_SPELLING))
+def test_every_new_spelling_once(changes: dict) -> None:
+    from dataclasses import replace
+
+    s = replace(BASE, **changes)
+    if s.mask not in WINDOW_MASKS and s.mask not in OTHER_BANDS:
+        s = replace(s, window=0, causal_align=s.causal_align if s.mask in CAUSAL_MASKS else "top_left")
+    test_grammar_eval_outputs_grads_idempotent.hypothesis.inner_test(s)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(score_mod="shift_sub", mask="arg_add_row"),
+    dict(score_mod="tanh_shift", mask="win_add_min", window=1),
+    dict(score_mod="clamp", mask="arg_fill_min", scale="after_mask"),
+], ids=["sub_then_added_mask", "tanh_shift_then_window_min", "min_fill_scaled_after_mod"])
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="library gap (see known_gap): left alone, not rewritten")
+def test_known_gaps(changes: dict) -> None:
+    """The combinations ``known_gap`` keeps out of the grammar still fail; an XPASS means: drop the exclusion."""
+    from dataclasses import replace
+
+    s = replace(BASE, **changes)
+    if known_gap(s.mask, s.scale, s.score_mod) is None:
+        pytest.fail(f"{changes} is not a known gap")  # (not an AssertionError: that would count as the xfail)
+    test_grammar_eval_outputs_grads_idempotent.hypothesis.inner_test(s)
