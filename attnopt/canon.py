@@ -543,7 +543,8 @@ def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
 
 #: Kinds whose result is always a new tensor (never a view of an input), so mutating it in place
 #: changes nothing else.
-_FRESH_KINDS = frozenset(("matmul", "baddbmm", "scale", "add", "mul", "div", "masked_fill", "where", "unary"))
+_FRESH_KINDS = frozenset(("matmul", "baddbmm", "scale", "add", "sub", "mul", "div", "masked_fill", "where",
+                          "unary"))
 
 
 def functionalize_inplace(gm: fx.GraphModule) -> int:

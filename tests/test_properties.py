@@ -20,8 +20,7 @@ combinations) may follow the scale. For each module:
 Most examples run on the FX graph dynamo captures (``attnopt.rewrite(gm, example_inputs,
 variant=...)``: the matcher and the rewrite are under test, not the selector): ``"sdpa"``, or for a
 site with a score modifier (which SDPA refuses) ``"math"`` or ``"tiled64"`` (``variant_for``). A few
-go end to end through ``attnopt.optimize`` with the default ``variant="auto"``. Combinations the
-library does not rewrite yet are kept out by ``known_gap`` and pinned by strict xfails.
+go end to end through ``attnopt.optimize`` with the default ``variant="auto"``.
 ``EXERCISED`` collects the axis choices seen (a window's width as its regime,
 ``Spelling.window_regime``); the run's summary prints how many distinct combinations were exercised.
 """
@@ -67,18 +66,6 @@ SCORE_MODS = {  # spelling -> what explain() describes (the scale may join a mod
     "shift_sub": "- 0.5", "tanh_shift": "tanh((s - 0.25))", "tanh_then_clamp": "clamp(",
 }
 
-
-def known_gap(mask: str, scale: str, score_mod: str) -> str | None:
-    """Combinations the library does not rewrite yet although it should (found by this grammar, reported).
-
-    The grammar does not draw them; ``test_known_gaps`` runs each one as a strict xfail, so the
-    exclusion fails loudly once the library is fixed: then delete its line here.
-    """
-    if score_mod in ("shift_sub", "tanh_shift") and mask in ADDED_MASKS:
-        return "sub_then_added_mask"  # `s - c` is not walked back to the product: "no score operand"
-    if score_mod != "none" and mask == "arg_fill_min" and scale == "after_mask":
-        return "min_fill_scaled_after_mod"  # min * c reads as a finite fill, refused after a modifier
-    return None
 
 QK_EINSUM = {
     4: ("bhqd,bhkd->bhqk", "b h i d, b h j d -> b h i j", "zyad,zycd->zyac", "...id,...jd->...ij",
@@ -186,7 +173,7 @@ def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Sp
         else "top_left"
     window = draw(st.integers(1, T + 1)) if mask in WINDOW_MASKS or mask in OTHER_BANDS else 0
     scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none", "mul_", "idiv", "after_mask"]))
-    mods = [m for m in sorted(SCORE_MODS) if known_gap(mask, scale, m) is None] if mask not in BOUNDED_FILLS else []
+    mods = sorted(SCORE_MODS) if mask not in BOUNDED_FILLS else []
     score_mod = draw(st.sampled_from(mods)) if mods and draw(st.booleans()) else "none"
     custom_scale = draw(st.booleans()) if scale in ("mul", "div", "full0d", "on_q", "after_mask") else False
     softmax = draw(st.sampled_from(["F", "F_dim_pos", "torch", "method", "module", "dtype_f32", "float_type_as"]))
@@ -515,11 +502,10 @@ def expected_proof(s: Spelling) -> tuple[str | None, int | None]:
     bottom-right (Tk - Tq) diagonal, and a window of ``hi - lo`` when it has a lower edge. Masks built from sizes
     keep their edges symbolically, so a window wider than the matrix is still proven as ``w`` (equal to causal
     there, so exact either way); a buffer is read from its values, so a window as wide as the buffer
-    (``n = max(Tq, Tk)``) reads as plain causal. Not read at all: ``abs`` (two-sided bands) and index arithmetic
-    over a single query row (Tq == 1).
+    (``n = max(Tq, Tk)``) reads as plain causal. Not read at all: ``abs`` (two-sided bands).
     """
     r0, w = s.r0, s.window
-    if s.mask == "band_two_sided" or (s.mask in ARANGE_BANDS and s.Tq == 1):
+    if s.mask == "band_two_sided":
         return None, None
     lo, hi = (r0 - 1, r0 + w - 1) if s.mask == "band_future" else (r0 - w, r0)
     if s.mask in BUFFER_WINDOWS and w >= max(s.Tq, s.Tk):
@@ -799,12 +785,9 @@ def test_every_new_spelling_once(changes: dict) -> None:
     dict(score_mod="tanh_shift", mask="win_add_min", window=1),
     dict(score_mod="clamp", mask="arg_fill_min", scale="after_mask"),
 ], ids=["sub_then_added_mask", "tanh_shift_then_window_min", "min_fill_scaled_after_mod"])
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="library gap (see known_gap): left alone, not rewritten")
-def test_known_gaps(changes: dict) -> None:
-    """The combinations ``known_gap`` keeps out of the grammar still fail; an XPASS means: drop the exclusion."""
+def test_gaps_this_grammar_found(changes: dict) -> None:
+    """Combinations the library once left alone (``s - c`` before an added mask; a dtype-minimum fill
+    scaled after a modifier): rewritten now, kept as fixed cases."""
     from dataclasses import replace
 
-    s = replace(BASE, **changes)
-    if known_gap(s.mask, s.scale, s.score_mod) is None:
-        pytest.fail(f"{changes} is not a known gap")  # (not an AssertionError: that would count as the xfail)
-    test_grammar_eval_outputs_grads_idempotent.hypothesis.inner_test(s)
+    test_grammar_eval_outputs_grads_idempotent.hypothesis.inner_test(replace(BASE, **changes))

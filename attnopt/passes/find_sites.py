@@ -47,7 +47,7 @@ from ..canon import (
     shape_of,
 )
 from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, SiteRecord
-from .masks import Add, Fill, MaskPlan, _same, plan_mask
+from .masks import Add, Fill, MaskPlan, _neg_large, _same, plan_mask
 
 
 @dataclass
@@ -576,6 +576,10 @@ def _scaled_mask(term: Any, c: float, how: str, value: float) -> Any:
     dt = term.dtype or torch.float32
     t = torch.tensor(term.value, dtype=dt)
     scaled = (t * value if how == "mul" else t / value).item()
+    if _neg_large(term.value, dt) == "min" and c > 0 and scaled != -math.inf:
+        # The minimum times c <= 1 still hides its keys (weight exp(min * c - max) = 0): keep it the
+        # minimum, so rows with every key hidden stay recognisable (uniform, as written).
+        return term
     return replace(term, value=scaled)
 
 
@@ -587,7 +591,8 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
             return False
         if op.kind in ("matmul", "baddbmm"):
             return True
-        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary"):
+        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary") or (
+                op.kind == "sub" and not isinstance(op.args[1], fx.Node)):
             cur = op.args[0]
         elif op.kind == "where":
             cur = op.args[1] if isinstance(op.args[1], fx.Node) and _same_shape(op.args[1], cur) \

@@ -317,6 +317,10 @@ class BandReader:
                 return self.band(a).map(lambda v: bool(_COMPARE[k](v, s)))
             raise
         ci, cj, c = diff  # a - b = ci * i + cj * j + c
+        if _same(rows, 1) and cj in (1, -1):
+            ci = -cj  # one query row (a decode step): i is always 0, so any coefficient of it is the same
+        if _same(cols, 1) and ci in (1, -1):
+            cj = -ci
         if ci == 0 and cj == 0:
             if not isinstance(c, int):
                 raise _Unknown
