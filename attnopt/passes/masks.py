@@ -5,16 +5,25 @@ additions, in program order) and emits a :class:`MaskPlan`: the mask kind SDPA r
 (``bool`` keep-mask or ``additive``), whether it is *proven* causal, and which buffers that
 proof read (so the runtime can check they did not change).
 
-Causality is proven by a small abstract interpreter over the mask's own subgraph. Every
-value is a :class:`Band`: a tensor whose leading dims are 1 and whose element ``[i, j]`` is
-``below`` when ``j - i <= offset`` and ``above`` otherwise. ``tril``/``triu`` of a constant,
-``== 0``, ``~``, casts, slices of the last two dims (which shift the offset) and buffers
-holding a lower-triangular pattern all map to a band; anything else is "unknown" and the mask
-is passed to SDPA as a tensor (always exact, just not as fast as ``is_causal``).
+Causality is proven by a small abstract interpreter over the mask's own subgraph
+(:class:`BandReader`). Every value is a :class:`Band`: a tensor whose element ``[..., i, j]``
+depends only on ``d = j - i``, piecewise constant between ascending ``cuts`` (leading dims,
+e.g. ``expand(B, 1, T, T)``, carry the same band). Constants, ``tril``/``triu``, comparisons,
+``~``, ``&``, ``|``, ``where``/``masked_fill`` of constants, casts, ``expand`` and slices of the last
+two dims (which shift the cuts) map to bands; so do buffers whose values form a band (read once
+and guarded at run time), and index arithmetic over ``arange`` (:class:`_Affine`:
+``arange(T)[:, None] - arange(T)[None, :] < w``). A boolean term the reader cannot see (a padding
+mask computed from an input) may be ANDed in (or ORed, hiding nothing): the proof then assumes
+it keeps every key, and the site checks that on every call (``plan.conditions``). Anything else
+is "unknown" and the mask is passed to SDPA as a tensor (always exact, just not as fast).
+
+The terms together must keep exactly ``d <= hi`` (causal, ``hi`` = 0 top-left or ``Tk - Tq``
+bottom-right) or ``hi - w < d <= hi`` (a causal sliding window of width ``w``).
 
 Example: nanoGPT's ``att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))`` with a
-``tril(ones)`` buffer reads as ``keep = Band(offset=0, below=True, above=False)`` over
-``(T, T)``: causal, top-left aligned, guarded on ``self.bias``.
+``tril(ones)`` buffer reads as ``keep = Band(T, T, cuts=(0,), values=(True, False))``: causal,
+top-left aligned, guarded on ``self.bias``. Mistral's ``(kv <= q) & (kv > q - 4)`` reads as
+``Band(T, T, (-4, 0), (False, True, False))``: a window of 4.
 """
 
 from __future__ import annotations
