@@ -126,7 +126,7 @@ class FlexCandidate:
 
     name: str = "flex"
     description: str = "torch.nn.attention.flex_attention, compiled (score_mod, causal/sliding-window block_mask)"
-    costly: bool = True  # compiles per shape (seconds on CPU): the selector tries it only where nothing cheaper serves
+    costly: bool = True  # compiles per shape (seconds on CPU): tried where SDPA cannot serve, or for a window
 
     def supports(self, spec: AttentionSpec) -> str | None:
         if flex_attention is None:
