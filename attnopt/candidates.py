@@ -41,11 +41,14 @@ ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 #: boolean ``attn_mask`` (:func:`window_keep`) and ``is_causal=False``, so SDPA serves it exactly.
 
 
+def in_window(q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int) -> torch.Tensor:
+    """The causal sliding window's rule on index tensors: ``0 <= q_idx - kv_idx < window``."""
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+
 def window_keep(tq: int, tk: int, window: int, device: torch.device | str) -> torch.Tensor:
-    """``(tq, tk)`` bool keep-mask of the top-left causal window: ``0 <= i - j < window``."""
-    i = torch.arange(tq, device=device)[:, None]
-    j = torch.arange(tk, device=device)[None, :]
-    return (j <= i) & (i - j < window)
+    """``(tq, tk)`` bool keep-mask of the top-left causal window (:func:`in_window`)."""
+    return in_window(torch.arange(tq, device=device)[:, None], torch.arange(tk, device=device)[None, :], window)
 
 
 def _window_as_mask(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> dict:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..candidates import ScoreMod, reference_attention, register_candidate
+from ..candidates import ScoreMod, in_window, reference_attention, register_candidate
 from ..site import AttentionSpec
 
 try:  # torch >= 2.5
@@ -60,7 +60,7 @@ def _causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch
 
 def _window(width: int) -> Callable[..., torch.Tensor]:
     def sliding(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < width)
+        return in_window(q_idx, kv_idx, width)
 
     return sliding
 
