@@ -80,7 +80,7 @@ class NearMiss(Exception):
         self.decision = decision
 
 
-def _where(node: fx.Node) -> tuple[str, str]:
+def place_of(node: fx.Node) -> tuple[str, str]:
     """(module path, file:line) of the user code that produced ``node``."""
     stack = node.meta.get("nn_module_stack") or {}
     path = ""
@@ -104,7 +104,7 @@ def _where(node: fx.Node) -> tuple[str, str]:
 
 def _at(node: fx.Node) -> str:
     """`` at <module path> (<file:line>)`` for ``node``, or what of it is known."""
-    path, source = _where(node)
+    path, source = place_of(node)
     if path and source:
         return f" at {path} ({source})"
     return f" at {path or source}" if path or source else ""
@@ -165,7 +165,7 @@ def _scale_value(x: Any) -> float | torch.SymFloat | None:
 def match_site(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.Tensor],
                index: int) -> Match | SiteRecord:
     """Try to prove that ``softmax`` is an attention site; return a Match or a near-miss record."""
-    path, source = _where(softmax)
+    path, source = place_of(softmax)
     record = SiteRecord(name=f"site{index}", module_path=path, source=source)
     try:
         return _match(gm, softmax, concrete, record)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..canon import dtype_of, meta_value, mutated, read
 from ..site import LEFT_ALONE, REWRITTEN, SiteRecord
-from .find_sites import _where as where
+from .find_sites import place_of
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
@@ -93,7 +93,7 @@ def drop_unused_mha_weights(gm: fx.GraphModule, enabled: bool = True, start: int
     changed = False
     for i, node in enumerate(unused_mha_weights(gm)):
         args = mha_arguments(node)
-        path, source = where(node)
+        path, source = place_of(node)
         rec = SiteRecord(name=f"site{start + i}", module_path=path, source=source, spelling=_spelling(args))
         why = "variant='eager': left as written" if not enabled else why_left_alone(gm, node, args)
         if why is not None:

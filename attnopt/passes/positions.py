@@ -51,7 +51,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from ..canon import meta_value, shape_of
-from .find_sites import _where
+from .find_sites import place_of
 from .masks import _same
 
 aten = torch.ops.aten
@@ -132,7 +132,7 @@ def describe(node: fx.Node) -> str:
     The line is the innermost frame of the node's ``stack_trace`` outside PyTorch itself (an
     ``nn.Conv1d`` is named where the model calls it, not inside ``torch/nn``).
     """
-    path, source = _where(node)
+    path, source = place_of(node)
     for fname, lineno in reversed(_TRACE_LINE.findall(node.meta.get("stack_trace") or "")):
         if not os.path.abspath(fname).startswith(_TORCH_DIR):
             source = f"{os.path.basename(fname)}:{lineno}"
