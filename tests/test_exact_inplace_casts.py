@@ -1,0 +1,496 @@
+"""Exactness under in-place writes and dtype conversions (issue 16, classes 2 and 3).
+
+Class 2: the fused site runs where ``P @ V`` was and reads q, k, v, the masks, added biases and
+0-d scale tensors there. A write to one of them (or to a tensor it views) after the product read
+it and before ``P @ V`` would make the site read the new value; such sites are left alone with a
+reason that names the write. Writes before the read, to tensors the site does not read, or to the
+site's own scores are fine and the site is still rewritten.
+
+Class 3: only value-preserving conversions are transparent. Between the product and the softmax a
+cast must keep or widen the compute dtype; after the softmax it may go back to the dtype of v (the
+``softmax(s.float()).to(q.dtype)`` pattern); casts to integers or bool, and narrowing ones, are not
+identities. The mask interpreter applies the conversion to the band's values (truncation,
+wrap-around, nonzero) or proves nothing.
+
+Every model is compared with the model as written, through ``attnopt.optimize`` (dynamo) and, where
+symbolic_trace can follow it, ``attnopt.rewrite(symbolic_trace(model), inputs)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import attnopt
+
+B, H, T, D = 2, 2, 5, 8
+NEG = float("-inf")
+C = D ** -0.5
+
+
+def qkv(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(B, H, T, D, dtype=dtype) for _ in range(3))
+
+
+def kt(k: torch.Tensor) -> torch.Tensor:
+    return k.transpose(-2, -1)
+
+
+def clones(inputs):
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def run_optimize(model: nn.Module, inputs, atol=1e-5, rtol=1e-4) -> attnopt.Report:
+    """``optimize(model)`` equals the model as written (each on its own copy of the inputs)."""
+    model.eval()
+    opt = attnopt.optimize(model, variant="sdpa")
+    with torch.no_grad():
+        expected = model(*clones(inputs))
+        actual = opt(*clones(inputs))
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True)
+    return attnopt.explain(opt)
+
+
+def run_rewrite(model: nn.Module, inputs, atol=1e-5, rtol=1e-4) -> attnopt.Report:
+    """``rewrite(symbolic_trace(model), inputs)`` equals the traced model (each on its own copy)."""
+    model.eval()
+    gm = fx.symbolic_trace(model)
+    new = attnopt.rewrite(gm, clones(inputs), variant="sdpa")
+    with torch.no_grad():
+        expected = gm(*clones(inputs))
+        actual = new(*clones(inputs))
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True)
+    return new.meta["attnopt_report"]
+
+
+def assert_left_alone(report: attnopt.Report, *words: str) -> str:
+    assert report.rewritten == 0, str(report)
+    (record,) = report.records
+    assert record.decision == "left alone", record.reason
+    for w in words:
+        assert w in record.reason, record.reason
+    return record.reason
+
+
+# ============================================================================ class 2: in-place writes
+
+
+class BiasCloneWritten(nn.Module):
+    """``b = bias.clone(); s = qk*c + b; b.mul_(0.5)``: the sum read the old b."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.randn(1, H, T, T))
+
+    def forward(self, q, k, v):
+        b = self.bias.clone()
+        s = q @ kt(k) * C + b
+        b.mul_(0.5)
+        return s.softmax(-1) @ v
+
+
+class QWrittenAfterProduct(nn.Module):
+    def forward(self, q, k, v):
+        s = q @ kt(k)
+        q.mul_(2)
+        return (s * C).softmax(-1) @ v
+
+
+class KWrittenAfterProduct(nn.Module):
+    def forward(self, q, k, v):
+        s = q @ kt(k)
+        k.add_(1.0)
+        return (s * C).softmax(-1) @ v
+
+
+class MaskZeroedAfterFill(nn.Module):
+    def forward(self, q, k, v, m):
+        s = (q @ kt(k) * C).masked_fill(m, NEG)
+        m.zero_()
+        return s.softmax(-1) @ v
+
+
+class MaskSetitemAfterFill(nn.Module):
+    def forward(self, q, k, v, m):
+        s = (q @ kt(k) * C).masked_fill(m, NEG)
+        m[..., 0] = True
+        return s.softmax(-1) @ v
+
+
+class ScaleTensorFilled(nn.Module):
+    """A 0-d scale tensor set to zero after the scores were scaled by it."""
+
+    def forward(self, q, k, v, t):
+        s = (q @ kt(k)) * t
+        t.fill_(0)
+        return s.softmax(-1) @ v
+
+
+class ViewBaseWritten(nn.Module):
+    """q is a view of x; x is written after the product."""
+
+    def forward(self, x, k, v):
+        q = x.view(B, H, T, D)
+        s = q @ kt(k) * C
+        x.mul_(2)
+        return s.softmax(-1) @ v
+
+
+class OutKwargWrite(nn.Module):
+    def forward(self, q, k, v, bias):
+        b = bias.clone()
+        s = q @ kt(k) * C + b
+        torch.mul(b, 0.5, out=b)
+        return s.softmax(-1) @ v
+
+
+class InplaceOperatorWrite(nn.Module):
+    """``b += 1`` (dynamo keeps the old name) after the sum read b."""
+
+    def forward(self, q, k, v, bias):
+        b = bias.clone()
+        s = q @ kt(k) * C + b
+        b += 1.0
+        return s.softmax(-1) @ v
+
+
+class InplaceModuleWrite(nn.Module):
+    """An ``inplace=True`` module applied to the bias after the sum read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, q, k, v, bias):
+        b = bias.clone()
+        s = q @ kt(k) * C + b
+        self.act(b)
+        return s.softmax(-1) @ v
+
+
+class RepeatKvSourceWritten(nn.Module):
+    """GQA: the site reads v's unrepeated source, which is written after ``repeat_kv`` copied it."""
+
+    def forward(self, q, k, v):
+        def rep(x):
+            return x[:, :, None].expand(B, 1, H, T, D).reshape(B, H, T, D)
+
+        kk, vv = rep(k), rep(v)
+        s = q @ kt(kk) * C
+        v.mul_(3.0)
+        return s.softmax(-1) @ vv
+
+
+def _inputs(name: str):
+    q, k, v = qkv()
+    if name in ("MaskZeroedAfterFill", "MaskSetitemAfterFill"):
+        return [q, k, v, torch.rand(1, 1, T, T) > 0.6]
+    if name == "ScaleTensorFilled":
+        return [q, k, v, torch.tensor(0.7)]
+    if name == "ViewBaseWritten":
+        return [q.reshape(B * H * T, D).clone(), k, v]
+    if name in ("OutKwargWrite", "InplaceOperatorWrite", "InplaceModuleWrite"):
+        return [q, k, v, torch.randn(1, H, T, T)]
+    if name == "RepeatKvSourceWritten":
+        return [q, torch.randn(B, 1, T, D), torch.randn(B, 1, T, D)]
+    return [q, k, v]
+
+
+WRITTEN = {
+    BiasCloneWritten: ".mul_()", QWrittenAfterProduct: ".mul_()", KWrittenAfterProduct: ".add_()",
+    MaskZeroedAfterFill: ".zero_()", MaskSetitemAfterFill: "setitem", ScaleTensorFilled: ".fill_()",
+    ViewBaseWritten: ".mul_()", OutKwargWrite: "out=", InplaceOperatorWrite: "+=",
+    InplaceModuleWrite: "", RepeatKvSourceWritten: ".mul_()",
+}
+
+
+@pytest.mark.parametrize("cls", list(WRITTEN), ids=lambda c: c.__name__)
+def test_write_between_product_and_pv_is_left_alone_with_the_write_named(cls) -> None:
+    inputs = _inputs(cls.__name__)
+    report = run_optimize(cls(), inputs)
+    reason = assert_left_alone(report, "written in place", "the fused kernel would read the new value")
+    assert WRITTEN[cls] in reason, reason
+    assert "test_exact_inplace_casts.py:" in reason, reason  # the place of the write
+
+
+# symbolic_trace cannot follow `b += 1` in place (a Proxy has no __iadd__: it becomes b = b + 1) nor `m[...] = x`
+TRACEABLE = [c for c in WRITTEN if c not in (InplaceOperatorWrite, MaskSetitemAfterFill)]
+
+
+@pytest.mark.parametrize("cls", TRACEABLE, ids=lambda c: c.__name__)
+def test_write_between_product_and_pv_on_a_symbolic_trace_graph(cls) -> None:
+    inputs = _inputs(cls.__name__)
+    report = run_rewrite(cls(), inputs)
+    assert_left_alone(report, "written in place")
+
+
+# ---------------------------------------------------------------------------- look-alikes: still rewritten
+
+
+class QWrittenBeforeProduct(nn.Module):
+    def forward(self, q, k, v):
+        q.mul_(2)
+        return (q @ kt(k) * C).softmax(-1) @ v
+
+
+class BiasWrittenBeforeItsUse(nn.Module):
+    """The bias is written after the product but before the sum reads it: the site reads that value too."""
+
+    def forward(self, q, k, v, bias):
+        b = bias.clone()
+        s = q @ kt(k) * C
+        b.mul_(0.5)
+        return (s + b).softmax(-1) @ v
+
+
+class OtherTensorWritten(nn.Module):
+    """A tensor the site does not read is written in the middle."""
+
+    def forward(self, q, k, v, bias):
+        y = bias.clone()
+        s = q @ kt(k) * C
+        y.mul_(2)
+        return s.softmax(-1) @ v, y
+
+
+class VWrittenBeforePV(nn.Module):
+    """v is read by P @ V itself: a write to it before that is what both read."""
+
+    def forward(self, q, k, v):
+        p = (q @ kt(k) * C).softmax(-1)
+        v.mul_(2)
+        return p @ v
+
+
+class ScoresInplace(nn.Module):
+    """The site's own scores, written in place (functionalized)."""
+
+    def forward(self, q, k, v, m):
+        s = q @ kt(k)
+        s.div_(D ** 0.5)
+        s.masked_fill_(m, NEG)
+        return s.softmax(-1) @ v
+
+
+class WrittenAfterPV(nn.Module):
+    def forward(self, q, k, v):
+        out = (q @ kt(k) * C).softmax(-1) @ v
+        q.mul_(2)
+        return out
+
+
+def _lookalike_inputs(cls):
+    q, k, v = qkv()
+    if cls in (BiasWrittenBeforeItsUse, OtherTensorWritten):
+        return [q, k, v, torch.randn(1, H, T, T)]
+    if cls is ScoresInplace:
+        return [q, k, v, torch.ones(T, T, dtype=torch.bool).triu(1)]
+    return [q, k, v]
+
+
+LOOKALIKES = [QWrittenBeforeProduct, BiasWrittenBeforeItsUse, OtherTensorWritten, VWrittenBeforePV, ScoresInplace,
+              WrittenAfterPV]
+
+
+@pytest.mark.parametrize("cls", LOOKALIKES, ids=lambda c: c.__name__)
+def test_writes_the_site_does_not_see_are_still_rewritten(cls) -> None:
+    report = run_optimize(cls(), _lookalike_inputs(cls))
+    assert report.rewritten == 1, str(report)
+
+
+@pytest.mark.parametrize("cls", [QWrittenBeforeProduct, BiasWrittenBeforeItsUse, VWrittenBeforePV, WrittenAfterPV],
+                         ids=lambda c: c.__name__)
+def test_writes_the_site_does_not_see_on_a_symbolic_trace_graph(cls) -> None:
+    report = run_rewrite(cls(), _lookalike_inputs(cls))
+    assert report.rewritten == 1, str(report)
+
+
+# ============================================================================ class 3: lossy conversions
+
+
+class FakeQuantLogits(nn.Module):
+    def forward(self, q, k, v):
+        s = (q @ kt(k) * 3.0).to(torch.int8).to(torch.float32)
+        return s.softmax(-1) @ v
+
+
+class HardAttention(nn.Module):
+    def forward(self, q, k, v):
+        p = (q @ kt(k) * C).softmax(-1)
+        return p.bool().to(v.dtype) @ v
+
+
+class HardAttentionThreshold(nn.Module):
+    """``p.to(torch.int64)`` truncates every weight below 1 to 0."""
+
+    def forward(self, q, k, v):
+        p = (q @ kt(k) * 10.0).softmax(-1)
+        return p.to(torch.int64).to(v.dtype) @ v
+
+
+class Bf16RoundTrip(nn.Module):
+    def forward(self, q, k, v):
+        s = (q @ kt(k) * C).to(torch.bfloat16).float()
+        return s.softmax(-1) @ v
+
+
+class Bf16Softmax(nn.Module):
+    def forward(self, q, k, v):
+        return (q @ kt(k) * C).bfloat16().softmax(-1).float() @ v
+
+
+class HalfOverflow(nn.Module):
+    """fp32 logits above 65504 cast to half: inf, then NaN rows as written."""
+
+    def forward(self, q, k, v):
+        return (q @ kt(k) * 1e5).half().softmax(-1).float() @ v
+
+
+class SoftmaxDtypeNarrows(nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(q @ kt(k) * 3.0, -1, dtype=torch.bfloat16).float() @ v
+
+
+class ProbsNarrowed(nn.Module):
+    """fp32 probabilities rounded to bf16 and back before ``P @ V`` (v is fp32)."""
+
+    def forward(self, q, k, v):
+        return (q @ kt(k) * C).softmax(-1).bfloat16().float() @ v
+
+
+LOSSY = {
+    FakeQuantLogits: ("scores", "torch.int8"), HardAttention: ("probabilities", "torch.bool"),
+    HardAttentionThreshold: ("probabilities", "torch.int64"), Bf16RoundTrip: ("scores", "torch.bfloat16"),
+    Bf16Softmax: ("scores", "torch.bfloat16"), HalfOverflow: ("scores", "torch.float16"),
+    SoftmaxDtypeNarrows: ("scores", "torch.bfloat16"), ProbsNarrowed: ("probabilities", "torch.bfloat16"),
+}
+
+
+@pytest.mark.parametrize("cls", list(LOSSY), ids=lambda c: c.__name__)
+def test_lossy_conversion_is_left_alone_with_the_cast_named(cls) -> None:
+    what, dtype = LOSSY[cls]
+    report = run_optimize(cls(), list(qkv()), atol=0, rtol=0)
+    assert_left_alone(report, f"the {what} are converted to {dtype}", "a lossy conversion")
+
+
+@pytest.mark.parametrize("cls", list(LOSSY), ids=lambda c: c.__name__)
+def test_lossy_conversion_on_a_symbolic_trace_graph(cls) -> None:
+    report = run_rewrite(cls(), list(qkv()), atol=0, rtol=0)
+    assert_left_alone(report, "a lossy conversion")
+
+
+# ---------------------------------------------------------------------------- conversions that stay
+
+
+class HfSoftmaxDtype(nn.Module):
+    """HF eager: ``softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)``."""
+
+    def forward(self, q, k, v, mask):
+        s = q @ kt(k) * C + mask
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class FloatRoundTripTypeAs(nn.Module):
+    def forward(self, q, k, v):
+        s = q @ kt(k) * C
+        return torch.softmax(s.float(), dim=-1).type_as(s) @ v
+
+
+class FinfoMinFill(nn.Module):
+    def forward(self, q, k, v, keep):
+        s = (q @ kt(k) * C).masked_fill(~keep, torch.finfo(q.dtype).min)
+        return s.softmax(-1) @ v
+
+
+class WidenedBeforeSoftmax(nn.Module):
+    """bf16 scores widened to fp32, the softmax in fp32, the probabilities back to v's dtype."""
+
+    def forward(self, q, k, v):
+        return (q @ kt(k) * C).float().softmax(-1).to(v.dtype) @ v
+
+
+class SameDtypeCasts(nn.Module):
+    def forward(self, q, k, v):
+        s = (q @ kt(k)).to(q.dtype) * C
+        return s.softmax(-1).to(torch.float32) @ v
+
+
+@pytest.mark.parametrize("cls,dtype", [(HfSoftmaxDtype, torch.bfloat16), (FloatRoundTripTypeAs, torch.float16),
+                                       (FloatRoundTripTypeAs, torch.bfloat16), (FinfoMinFill, torch.bfloat16),
+                                       (WidenedBeforeSoftmax, torch.bfloat16), (SameDtypeCasts, torch.float32),
+                                       (HfSoftmaxDtype, torch.float32)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_value_preserving_conversions_are_still_rewritten(cls, dtype) -> None:
+    q, k, v = qkv(dtype)
+    inputs = [q, k, v]
+    if cls is HfSoftmaxDtype:
+        inputs.append(torch.where(torch.rand(1, 1, T, T) > 0.7, torch.finfo(dtype).min, 0.0).to(dtype))
+    if cls is FinfoMinFill:
+        inputs.append(torch.rand(1, 1, T, T) > 0.3)
+    tol = 2e-2 if dtype != torch.float32 else 1e-5
+    report = run_optimize(cls(), inputs, atol=tol, rtol=tol)
+    assert report.rewritten == 1, str(report)
+
+
+# ---------------------------------------------------------------------------- the mask interpreter
+
+
+class BufferCast(nn.Module):
+    """``masked_fill(buffer.to(dtype) == 0, -inf)`` over a buffer of ``values * tril``."""
+
+    def __init__(self, buf: torch.Tensor, dtype: torch.dtype, op: str = "eq0"):
+        super().__init__()
+        self.register_buffer("bias", buf)
+        self.dtype, self.op = dtype, op
+
+    def forward(self, q, k, v):
+        t = q.size(-2)
+        b = self.bias[:, :, :t, :t].to(self.dtype)
+        masked = b == 0 if self.op == "eq0" else ~b if self.op == "not" else b != 1
+        return (q @ kt(k) * C).masked_fill(masked, NEG).softmax(-1) @ v
+
+
+def _tril(dtype=torch.float32):
+    return torch.tril(torch.ones(1, 1, T, T, dtype=dtype))
+
+
+MASK_CASES = {
+    # int cast truncates 0.5 to 0: every key masked as written (NaN rows), not causal
+    "half_tril_to_int64": (BufferCast(0.5 * _tril(), torch.int64), None),
+    "neg_half_tril_to_int32": (BufferCast(-0.5 * _tril(), torch.int32), None),
+    # uint8 wraps 256 to 0
+    "int_256_tril_to_uint8": (BufferCast(256 * _tril(torch.int64), torch.uint8), None),
+    # a float out of uint8's range has no defined conversion: nothing proven
+    "float_300_tril_to_uint8": (BufferCast(300.0 * _tril(), torch.uint8), None),
+    # int8 wraps 128 to -128 (nonzero: still causal), and 1.5 truncates to 1
+    "int_128_tril_to_int8": (BufferCast(128 * _tril(torch.int64), torch.int8), "top_left"),
+    "one_and_half_to_int64_ne1": (BufferCast(1.5 * _tril(), torch.int64, "ne1"), "top_left"),
+    # bool is "nonzero": 0.5 is True; nanoGPT's uint8 tril buffer .bool()
+    "half_tril_to_bool": (BufferCast(0.5 * _tril(), torch.bool, "not"), "top_left"),
+    "uint8_tril_to_bool": (BufferCast(_tril(torch.uint8), torch.bool, "not"), "top_left"),
+    # float16 rounds 1e-8 to 0: every key masked as written
+    "tiny_tril_to_half": (BufferCast(1e-8 * _tril(), torch.float16), None),
+}
+
+
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_mask_interpreter_applies_the_conversion(name: str) -> None:
+    model, causal = MASK_CASES[name]
+    report = run_optimize(model, list(qkv()))
+    assert report.rewritten == 1, str(report)
+    assert report.records[0].spec.causal == causal, report.records[0].reason
+
+
+def test_mask_interpreter_applies_the_conversion_on_a_symbolic_trace_graph() -> None:
+    class Traced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("bias", 0.5 * _tril())
+
+        def forward(self, q, k, v):
+            return (q @ kt(k) * C).masked_fill(self.bias.to(torch.int64) == 0, NEG).softmax(-1) @ v
+
+    report = run_rewrite(Traced(), list(qkv()))
+    assert report.rewritten == 1 and report.records[0].spec.causal is None, str(report)
