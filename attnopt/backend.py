@@ -92,10 +92,14 @@ def _default_selector(config: OptimizeConfig) -> Selector:
 
 
 def _tune_before_tracing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
-    """Run ``gm`` once eagerly so "auto" sites choose before Inductor bakes one candidate in."""
+    """Run ``gm`` once eagerly so sites choose, and check their candidate, before Inductor bakes one in.
+
+    "auto" sites tune; every site checks the candidate it will run against the reference on these
+    inputs (a forced ``variant="flex"`` that is wrong here is replaced before it is compiled).
+    """
     from torch._subclasses.fake_tensor import FakeTensor
 
-    sites = [m for m in gm.modules() if isinstance(m, AttentionSite) and m.candidate == AUTO]
+    sites = [m for m in gm.modules() if isinstance(m, AttentionSite)]
     if not sites or any(isinstance(x, FakeTensor) for x in example_inputs):
         return
     # On copies of the buffers and inputs, with the random state restored: the run must leave no

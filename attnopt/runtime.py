@@ -5,13 +5,29 @@ scale, dropout_p, *guarded_buffers))`` (``scale``/``dropout_p`` are None unless 
 run-time numbers). The module
 
 * brings q, k, v to 4-D and v to q's dtype (the products' dtype as written),
-* uses ``is_causal=True`` only when the mask was proven causal, the buffers that proof read
-  are unchanged (:class:`BufferGuard`), and the alignment matches SDPA's top-left causal
-  mask (bottom-right masks only when ``Tq == Tk``); otherwise the mask tensor is passed.
-  A proven sliding window adds ``window=w`` (see :mod:`attnopt.candidates`),
+* uses ``is_causal=True`` only when the mask was proven causal, the tensors that proof read
+  still hold the proven pattern (:class:`BufferGuard`: pinned to the tensor *object* and its
+  version counter, so a fresh mask passed on the next call is checked again), and the alignment
+  matches SDPA's top-left causal mask (bottom-right masks only when ``Tq == Tk``); otherwise the
+  mask tensor is passed. A proven sliding window adds ``window=w`` (see :mod:`attnopt.candidates`),
 * applies dropout exactly when the original would (``nn.Dropout`` replaced: in training mode),
-* restores NaN rows where every key was masked with ``-inf`` (the original's result), and rows where every key holds the
-  dtype's minimum (uniform attention as written; see ``AttentionSpec.min_rows``),
+* follows the mask values of each call for rows whose every key is hidden: NaN rows where every
+  key was masked with ``-inf`` (the original's result) are restored; rows whose keys all hold a
+  large negative fill (the dtype's minimum, ``-1e9``, ``-1e4``: at most ``-SATURATED``) run the
+  computation as written (:meth:`AttentionSite._as_written`) whenever gradients or dropout are
+  involved, because fused backwards rebuild the probabilities from a log-sum-exp that has lost
+  ``log(Tk)`` next to such a fill, and because a dropped-out uniform row is random as written;
+  rows filled with the dtype's minimum by ``masked_fill`` alone are the mean of v otherwise,
+* checks every candidate it runs, chosen or forced, against the reference computation on the
+  call's own inputs the first time it serves a shape key (outputs, and gradients when the call
+  needs them; "no less accurate than the computation as written against float64" for half
+  types); a candidate that fails is dropped for that key with a warning naming it,
+* when gradients are needed, runs the candidate inside :class:`_Recomputable`, whose backward
+  is the candidate's own unless autograd asks for a graph of the backward (``create_graph=True``:
+  double backward, gradient penalties, ``hvp``), where it recomputes the reference computation
+  differentiably; a candidate whose backward raises (e.g. under autocast) is replaced by that
+  recomputation too, with a warning. Calls with active dropout and gradients run ``math``, whose
+  dropout mask lives in its own autograd graph,
 * calls the chosen candidate inside a ``record_function("attnopt::<site>")`` range, and
   falls back to the ``math`` candidate with a warning if the candidate raises.
 
@@ -25,8 +41,10 @@ its most recent eager call.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +52,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .candidates import ScoreMod, get_candidate
+from .candidates import ScoreMod, get_candidate, reference_attention
+from .passes.verify import tolerance
 from .selector import Call, shape_key
 from .site import AttentionSpec
 
@@ -45,6 +64,23 @@ AUTO = "auto"
 
 #: ``AttentionSite`` call arguments: (q, k, v, mask, scale, dropout_p, *guarded buffers).
 GUARDED_ARGS_START = 6
+
+#: A row of an additive mask whose every key is at most ``-SATURATED`` is "hidden by a large fill"
+#: (``-1e4``, ``-1e9``, the dtype's minimum): as written it is (close to) uniform, and fused
+#: backwards lose its ``1/Tk`` normalisation, so such calls run the computation as written.
+SATURATED = 1e3
+
+#: Candidates whose autograd graph is plain PyTorch, differentiable any number of times.
+_TWICE_DIFFERENTIABLE = frozenset(("math", "sdpa_math"))
+
+
+def strict_guards() -> bool:
+    """``ATTNOPT_STRICT=1``: re-check the content of every tensor a proof read on every call.
+
+    For code that writes proof inputs in ways PyTorch's version counter does not see
+    (``.data``, ``.numpy()``, DLPack, ``set_``).
+    """
+    return os.environ.get("ATTNOPT_STRICT", "").strip() not in ("", "0", "false", "False")
 
 
 def _tracing(t: torch.Tensor) -> bool:
@@ -98,36 +134,61 @@ def candidate_layout(q: torch.Tensor, k: torch.Tensor,
 
 @dataclass
 class BufferGuard:
-    """Checks that a buffer a causal proof read still holds the proven band pattern.
+    """Checks that a tensor a causal proof read still holds the proven band pattern.
 
-    The pattern is the buffer's own ``(cuts, values)`` (see :func:`attnopt.passes.masks.band_pattern`):
-    lower-triangular for nanoGPT's ``tril(ones)``, a band for a sliding window. The cheap check
-    is the tensor's storage pointer and version counter (bumped by every in-place write). When
-    either moved, the pattern is checked again on the new values once; if it no longer holds,
-    the site passes the mask tensor instead of ``is_causal``.
+    The pattern is the tensor's own ``(cuts, values)`` (see :func:`band_pattern`): lower-triangular
+    for nanoGPT's ``tril(ones)``, a band for a sliding window. The cheap check is the tensor's
+    *identity* (a weak reference to the object the pattern was last seen on) and its version
+    counter (bumped by every in-place write). Addresses are not trusted: a fresh tensor always
+    has version 0 and the allocator reuses freed memory. Any other object (a mask passed as a
+    forward argument and rebuilt per call, a buffer deleted and registered again, a deep copy)
+    or a moved version is checked again on its values (a few passes over it); if the pattern
+    no longer holds, the site passes the mask tensor instead of ``is_causal``. With ``strict``
+    (or ``ATTNOPT_STRICT=1``) the values are checked on every call.
     """
 
-    data_ptr: int
-    version: int
     cuts: tuple[Any, ...]
     values: tuple[Any, ...]
+    strict: bool = False
+    version: int = -1
+    _ref: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, t: torch.Tensor, cuts: tuple[Any, ...], values: tuple[Any, ...]) -> BufferGuard:
-        return cls(t.data_ptr(), t._version, tuple(cuts), tuple(values))
+    def of(cls, t: torch.Tensor | None, cuts: tuple[Any, ...], values: tuple[Any, ...],
+           strict: bool | None = None) -> BufferGuard:
+        g = cls(tuple(cuts), tuple(values), strict_guards() if strict is None else strict)
+        if isinstance(t, torch.Tensor) and not _tracing(t):
+            g._pin(t)
+        return g
+
+    def _pin(self, t: torch.Tensor) -> None:
+        self._ref, self.version = weakref.ref(t), t._version
+
+    def pinned_to(self, t: torch.Tensor) -> bool:
+        """``t`` is the very object last checked, unchanged since (by its version counter)."""
+        return self._ref is not None and self._ref() is t and t._version == self.version
 
     def holds(self, t: torch.Tensor) -> bool:
         if t.requires_grad:
             return False  # is_causal would drop the gradient that reaches this tensor through the mask
-        if t.data_ptr() == self.data_ptr and t._version == self.version:
+        if not self.strict and self.pinned_to(t):
             return True
         ok = is_band(t, self.cuts, self.values)
         if ok:
-            self.data_ptr, self.version = t.data_ptr(), t._version
+            self._pin(t)
         else:
-            warnings.warn("attnopt: a causal mask buffer changed and no longer holds the proven causal pattern; "
-                          "the site now passes the mask tensor to SDPA", stacklevel=3)
+            self._ref = None
+            warnings.warn("attnopt: a mask tensor the causal proof read no longer holds the proven causal pattern; "
+                          "the site passes the mask tensor to the candidate for this call", stacklevel=3)
         return ok
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_ref"] = None  # a weak reference neither pickles nor means anything in another process
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BufferGuard:
+        return BufferGuard(self.cuts, self.values, self.strict)  # the copy's tensors are other objects
 
 
 @dataclass
@@ -149,7 +210,8 @@ class AttentionSite(nn.Module):
     """Runs one rewritten attention site with a registered candidate."""
 
     def __init__(self, name: str, spec: AttentionSpec, candidate: str = "sdpa",
-                 guards: list[BufferGuard] | None = None, where: str = "", score_mod: ScoreMod | None = None):
+                 guards: list[BufferGuard] | None = None, where: str = "", score_mod: ScoreMod | None = None,
+                 cut_fills: bool = False):
         super().__init__()
         self.score_mod = score_mod
         self.site_name = name
@@ -157,12 +219,18 @@ class AttentionSite(nn.Module):
         self.candidate = candidate
         self.guards = list(guards or [])
         self.where = where
+        #: the additive mask holds ``masked_fill`` values: as written those replace the score, so the
+        #: score gets no gradient there (``_as_written`` reproduces that on rows it computes itself)
+        self.cut_fills = cut_fills
         self._failed: set[str] = set()  # candidates that raised here; this site runs math instead of them
         self.selector: Any = None  # a Selector, for candidate="auto"
         self.record: Any = None  # the SiteRecord that explain() shows
         self.tuning: dict[Any, Any] = {}  # ShapeKey -> TuningEntry
         self._by_call: dict[tuple, str] = {}  # exact call signature -> choice (the per-call fast path)
         self._last: str | None = None
+        self._checked: dict[tuple, str] = {}  # (candidate, ShapeKey) -> what runs: it, or its replacement
+        self._served: dict[tuple, str] = {}  # exact call signature -> what runs (the per-call fast path)
+        self._ran: dict[str, str] = {}  # candidate -> what its last checked eager call ran (used while tracing)
         self.tuning_run = False  # the backend's eager run before Inductor traces (is_compiling() is True there)
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
@@ -190,15 +258,29 @@ class AttentionSite(nn.Module):
             kwargs["window"] = spec.window
         if self.score_mod is not None:
             kwargs["score_mod"] = self.score_mod
+        tracing = _tracing(q) and not self.tuning_run
         min_rows = None
-        if spec.min_rows != "none" and not use_causal and mask is not None:
-            min_rows = (mask <= torch.finfo(mask.dtype).min / 2).all(-1, keepdim=True)
+        as_written = False
+        if spec.min_rows != "none" and not use_causal and mask is not None and mask.is_floating_point():
+            row_max = mask.amax(-1, keepdim=True)
+            min_rows = row_max <= torch.finfo(mask.dtype).min / 2  # every key holds the dtype's minimum
+            if not tracing:
+                # Rows whose keys are all hidden by a large fill: computed as written when their
+                # gradients or a dropout draw matter (see the module docstring).
+                grad = _needs_grad(q, k, v, mask)
+                if spec.min_rows == "mean":
+                    as_written = dropout_active and bool(min_rows.any())
+                else:
+                    as_written = bool(min_rows.any()) or (
+                        (grad or dropout_active) and bool((row_max <= -SATURATED).any()))
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            if spec.min_rows == "math" and min_rows is not None and bool(min_rows.any()):
+            if as_written:
+                out = self._as_written(q, k, v, kwargs)
+            elif spec.min_rows == "math" and tracing and min_rows is not None and bool(min_rows.any()):
                 out = get_candidate("math")(q, k, v, **kwargs)
             else:
                 out = self._call(q, k, v, kwargs)
-        if spec.min_rows == "mean" and min_rows is not None:
+        if spec.min_rows == "mean" and min_rows is not None and not as_written:
             v_mean = v.mean(-2, keepdim=True)  # (B, Hkv, 1, Dv)
             if v_mean.size(-3) != out.size(-3):
                 v_mean = v_mean.repeat_interleave(out.size(-3) // v_mean.size(-3), dim=-3)
@@ -214,6 +296,29 @@ class AttentionSite(nn.Module):
         if spec.out_dtype is not None and out.dtype != spec.out_dtype:
             out = out.to(spec.out_dtype)
         return out
+
+    def _as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The reference computation with the mask applied as the code wrote it.
+
+        An added mask is added; where the mask holds ``masked_fill`` values (``cut_fills``) the fill
+        replaces the score, so the score receives no gradient there, as written. Used for the calls
+        whose rows every key is hidden by a large fill, where only this reproduces the original's
+        gradients (and its dropout of a uniform row).
+        """
+        mask = kwargs.get("attn_mask")
+        if not (self.cut_fills and isinstance(mask, torch.Tensor) and mask.is_floating_point()):
+            return reference_attention(q, k, v, **kwargs)
+        filled = mask <= torch.finfo(mask.dtype).min / 2
+        inner = kwargs.get("score_mod")
+
+        def fill_as_written(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,
+                            ki: torch.Tensor) -> torch.Tensor:
+            if inner is not None:
+                score = inner(score, b, h, qi, ki)
+            return torch.where(filled, mask, score + mask)
+
+        rest = {n: a for n, a in kwargs.items() if n not in ("attn_mask", "score_mod")}
+        return reference_attention(q, k, v, attn_mask=None, score_mod=fill_as_written, **rest)
 
     def _guards_hold(self, guarded: tuple[torch.Tensor, ...]) -> bool:
         if not self.guards:
@@ -237,7 +342,7 @@ class AttentionSite(nn.Module):
         if self.selector is None or (_tracing(q) and not self.tuning_run):
             return self._last or "math"
         mask = kwargs["attn_mask"]
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, mask))
+        grad = _needs_grad(q, k, v, mask)
         fast = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else mask.dtype,
                 kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
         choice = self._by_call.get(fast)
@@ -266,10 +371,17 @@ class AttentionSite(nn.Module):
         name = self._choice(q, k, v, kwargs)
         if name in self._failed:
             name = "math"
+        if _tracing(q) and not self.tuning_run:
+            # inside a compiled graph: what the checked eager run of this candidate ran
+            return get_candidate(self._ran.get(name, name))(q, k, v, **kwargs)
+        grad = _needs_grad(q, k, v, kwargs["attn_mask"])
+        if grad and kwargs["dropout_p"] > 0 and name not in _TWICE_DIFFERENTIABLE:
+            name = "math"  # its dropout mask is part of its own graph, so any backward (double too) is exact
+        name = self._served_by(name, q, k, v, kwargs, grad)
         fn = get_candidate(name)
-        if _tracing(q):
-            return fn(q, k, v, **kwargs)
         try:
+            if grad and name not in _TWICE_DIFFERENTIABLE:
+                return _recomputable(self, fn, q, k, v, kwargs)
             return fn(q, k, v, **kwargs)
         except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
             warnings.warn(f"attnopt: candidate {name!r} failed at {self.site_name} ({self.where}): "
@@ -277,3 +389,187 @@ class AttentionSite(nn.Module):
             log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
             self._failed.add(name)
             return get_candidate("math")(q, k, v, **kwargs)
+
+    # ------------------------------------------------------------------ the per-key reference check
+
+    def _served_by(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+                   grad: bool) -> str:
+        """``name``, or what replaces it, once it matched the reference for this call's shape key."""
+        if name == "math":
+            return name
+        mask = kwargs["attn_mask"]
+        fast = (name, q.shape, k.shape, v.shape, q.dtype, q.device,
+                None if mask is None else (mask.dtype, mask.shape), kwargs["is_causal"], grad)
+        served = self._served.get(fast)
+        if served is None:
+            key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                                   dropout=kwargs["dropout_p"] > 0, grad=grad))
+            served = self._checked.get(key)
+            if served is None:
+                served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
+            if len(self._served) > 4096:
+                self._served.clear()
+            self._served[fast] = served
+        self._ran[name] = served
+        return served
+
+    def _check(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+               grad: bool, key: Any) -> str:
+        try:
+            problem = _compare_with_reference(get_candidate(name), self.spec, q, k, v, kwargs, grad)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not run
+            problem = f"it raised {type(e).__name__}: {e}"
+        if problem is None:
+            return name
+        fallback = "sdpa" if name != "sdpa" and get_candidate("sdpa").supports(self.spec) is None else "math"
+        warnings.warn(f"attnopt: candidate {name!r} does not match the reference computation at {self.site_name} "
+                      f"({self.where}) for {key.describe()}: {problem}; dropped for these shapes, running "
+                      f"{fallback} instead", stacklevel=5)
+        log.warning("site %s: candidate %s rejected for %s: %s", self.site_name, name, key.describe(), problem)
+        if self.record is not None:
+            self.record.extra.setdefault("rejected", {})[f"{name} ({key.describe()})"] = problem
+        if fallback == "math":
+            return "math"
+        return self._check(fallback, q, k, v, kwargs, grad, key)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _compare_with_reference(fn: Any, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            kwargs: dict, grad: bool) -> str | None:
+    """Why ``fn`` does not compute the reference on these inputs (outputs, and gradients with ``grad``), or None.
+
+    Dropout is off for the check (its draws are random by design). Rows the site overrides (every
+    key masked: NaN rows, mean-of-v rows) and rows that are not finite as written are not compared.
+    The contract is the dtype's tolerance against the reference in the inputs' dtype, or, failing
+    that, an error against a float64 evaluation no larger than the reference's own (plus the
+    dtype's tolerance): never less accurate than the computation as written.
+    """
+    kwargs = dict(kwargs, dropout_p=0.0)
+    mask = kwargs.get("attn_mask")
+    skip = None
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point() and spec.min_rows == "mean":
+        skip = mask.amax(-1, keepdim=True) <= torch.finfo(mask.dtype).min / 2
+    gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's random stream
+
+    def run(f: Any, dtype: torch.dtype | None) -> list[torch.Tensor | None]:
+        def prep(t: torch.Tensor | None, diff: bool) -> torch.Tensor | None:
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            return t.requires_grad_(diff and grad and t.is_floating_point())
+
+        qq, kk, vv = (prep(t, True) for t in (q, k, v))
+        mm = prep(mask, mask is not None and mask.requires_grad)
+        kw = dict(kwargs, attn_mask=mm)
+        with torch.enable_grad() if grad else torch.no_grad():
+            out = f(qq, kk, vv, **kw)
+            if not grad:
+                return [out.detach()]
+            targets = [t for t in (qq, kk, vv, mm) if isinstance(t, torch.Tensor) and t.requires_grad]
+            g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, out.dtype)
+            gen.manual_seed(0)
+            if skip is not None:
+                g = g.masked_fill(skip, 0.0)
+            grads = torch.autograd.grad(out, targets, g, allow_unused=True)
+        return [out.detach(), *grads]
+
+    got = run(fn, None)
+    ref = run(reference_attention, None)
+    atol, rtol = tolerance(q.dtype)
+    labels = ["output", "gradient of q", "gradient of k", "gradient of v", "gradient of the mask"]
+    ref64: list[torch.Tensor | None] | None = None
+    for i, (label, a, e) in enumerate(zip(labels, got, ref)):
+        if e is None or a is None:
+            if (a is None) != (e is None) and bool((a if e is None else e).abs().sum() > 0):  # type: ignore
+                return f"the {label} is missing"
+            continue
+        if a.shape != e.shape:
+            return f"the {label} has shape {tuple(a.shape)}, the reference {tuple(e.shape)}"
+        keep = torch.isfinite(e)
+        if i == 0 and skip is not None:
+            keep = keep & ~skip.expand_as(e)
+        af, ef = a.double()[keep], e.double()[keep]
+        if not bool(torch.isfinite(af).all()):
+            return f"the {label} is not finite where the reference is"
+        diff = (af - ef).abs()
+        if bool((diff <= atol + rtol * ef.abs()).all()):
+            continue
+        if q.dtype != torch.float64:  # no less accurate than as written, against float64
+            if ref64 is None:
+                ref64 = run(reference_attention, torch.float64)
+            e64 = ref64[i]
+            if e64 is not None:
+                x = e64[keep]
+                if (af - x).abs().max() <= (ef - x).abs().max() + atol:
+                    continue
+        return f"the {label} differs from the reference by up to {diff.max().item():.3g}"
+    return None
+
+
+class _Recomputable(torch.autograd.Function):
+    """A candidate's forward with a backward that works wherever autograd's does.
+
+    The forward runs the candidate under autograd on detached inputs and keeps its graph. The
+    backward is that graph's (the candidate's own fused backward) unless autograd records the
+    backward itself (``create_graph=True``): then the reference computation is recomputed
+    differentiably from the saved inputs, so gradients of gradients are exact. A backward that
+    raises (e.g. a kernel under ``torch.autocast``) is recomputed the same way, with a warning.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, site: Any, fn: Any, kwargs: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        inner = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 else t for t in (q, k, v, mask)]
+        with torch.enable_grad():
+            out = fn(*inner[:3], **dict(kwargs, attn_mask=inner[3]))
+        ctx.site, ctx.kwargs, ctx.inner, ctx.out = site, kwargs, inner, out
+        ctx.save_for_backward(q, k, v, mask)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        need = ctx.needs_input_grad[3:7]
+        grads: list[torch.Tensor | None] = [None] * 4
+        create_graph = torch.is_grad_enabled()  # autograd records this backward (double backward)
+        if not create_graph:  # an ordinary backward: the candidate's own
+            targets = [i for i in range(4) if need[i] and ctx.inner[i] is not None and ctx.inner[i].requires_grad]
+            try:
+                got = torch.autograd.grad(ctx.out, [ctx.inner[i] for i in targets], grad_out, retain_graph=True,
+                                          allow_unused=True)
+                for i, g in zip(targets, got):
+                    grads[i] = g
+                return (None, None, None, *grads)
+            except Exception as e:  # noqa: BLE001 - never break the user's backward; recompute it instead
+                warnings.warn(f"attnopt: the backward of the candidate at {ctx.site.site_name} ({ctx.site.where}) "
+                              f"failed ({type(e).__name__}: {e}); recomputing it with the reference computation",
+                              stacklevel=2)
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            if create_graph:
+                inputs = list(saved)
+            else:
+                inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+                          and t.is_floating_point() else t for t in saved]
+            targets = [i for i in range(4) if need[i] and isinstance(inputs[i], torch.Tensor)
+                       and inputs[i].requires_grad]
+            with torch.autocast(grad_out.device.type, enabled=False):
+                out = reference_attention(*inputs[:3], **dict(ctx.kwargs, attn_mask=inputs[3]))
+            got = torch.autograd.grad(out, [inputs[i] for i in targets], grad_out.to(out.dtype),
+                                      create_graph=create_graph, allow_unused=True)
+        for i, g in zip(targets, got):
+            grads[i] = None if g is None else g.to(saved[i].dtype)
+        return (None, None, None, *grads)
+
+
+def _recomputable(site: Any, fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kwargs: dict) -> torch.Tensor:
+    if torch._C._are_functorch_transforms_active():
+        return fn(q, k, v, **kwargs)  # functorch transforms differentiate the candidate's own graph
+    rest = {n: a for n, a in kwargs.items() if n != "attn_mask"}
+    return _Recomputable.apply(site, fn, rest, q, k, v, kwargs["attn_mask"])

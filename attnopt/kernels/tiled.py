@@ -23,9 +23,11 @@ Design
   expanded to ``(B, H, Tq, Tk)``.
 * **Forward** (FlashAttention's online softmax): per query block keep the running row max ``m``,
   the running denominator ``l`` and the accumulator ``acc``; each key block rescales them by
-  ``exp(m_old - m_new)``. The output is ``acc / l``; the per-row log-sum-exp ``m + log l`` is saved.
+  ``exp(m_old - m_new)``. The output is ``acc / l``; the per-row max ``m`` and ``1 / l`` are saved
+  (not the log-sum-exp ``m + log l``: next to a large finite fill such as ``-1e9`` on a row with every
+  key masked, ``m + log l`` rounds back to ``m`` and the recomputed probabilities would be 1, not 1/Tk).
 * **Backward** (FlashAttention-2): a ``torch.autograd.Function`` saves only q, k, v, the mask, the
-  output and the log-sum-exp; each block's probabilities are recomputed as ``P = exp(S - lse)``;
+  output and the row statistics; each block's probabilities are recomputed as ``P = exp(S - m) / l``;
   ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``, ``dQ += scale * dS' K``,
   ``dK += dS'^T (scale * Q)``, where ``dS' = dS`` (or, with a ``score_mod``, autograd of the
   recomputed block from the scaled product to the final scores, weighted by ``dS``). An additive mask
@@ -37,12 +39,15 @@ Design
 * **Dtypes.** Half and bfloat16 blocks are upcast to float32 for all arithmetic (fp32 accumulation);
   float32 and float64 compute in their own dtype (float64 for ``gradcheck``). The output has q's dtype.
 * **Rows whose keys are all masked** return zeros (as SDPA's fused CPU kernels do) and send zero
-  gradient to q, k, v and the mask, never NaN: their log-sum-exp is stored as ``+inf`` so their
+  gradient to q, k, v and the mask, never NaN: their row max is stored as ``+inf`` so their
   recomputed probabilities are 0. The plain computation gives NaN there; a caller that must
   reproduce NaN rows restores them itself (attnopt's ``AttentionSite`` does).
 * **Not supported:** dropout (``dropout_p > 0`` raises ``ValueError``); a ``score_mod`` that closes
   over tensors requiring grad (they would get no gradient, so it raises ``ValueError``); double
-  backward.
+  backward (attnopt's sites recompute differentiably when ``create_graph`` is on, see
+  :mod:`attnopt.runtime`).
+* **Autocast** is switched off inside the forward and the backward: the kernel chooses its own
+  compute dtype (fp32 for half types), so a backward run under ``torch.autocast`` works.
 * **Observability:** :func:`count_blocks` counts the (query block, key block) pairs computed
   forward and backward, e.g. to confirm that masked blocks are skipped.
 
@@ -193,7 +198,7 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, H, BK, cd = plan.B, plan.H, plan.B * plan.Hkv, plan.compute_dtype
     k3, v3 = _flat(plan, k), _flat(plan, v)  # (B*Hkv, Tk, D), (B*Hkv, Tk, Dv)
     out = torch.empty(B, H, plan.Tq, plan.Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, plan.Tq, 1, dtype=cd, device=q.device)
+    stats = torch.empty(B, H, plan.Tq, 2, dtype=cd, device=q.device)  # per row: max m, 1 / l
     for q0 in range(0, plan.Tq, plan.block_q):
         q1 = min(q0 + plan.block_q, plan.Tq)
         n = q1 - q0
@@ -215,12 +220,13 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         live = denom > 0
         o = torch.where(live, acc.view(B, H, n, plan.Dv) / denom.clamp_min(torch.finfo(cd).tiny), 0.0)
         out[:, :, q0:q1] = o.to(out.dtype)
-        lse[:, :, q0:q1] = torch.where(live, m_safe + torch.log(denom), math.inf)  # +inf: P = 0 in backward
-    return out, lse
+        stats[:, :, q0:q1, :1] = torch.where(live, m_safe, math.inf)  # +inf: P = 0 in backward
+        stats[:, :, q0:q1, 1:] = torch.where(live, 1.0 / denom.clamp_min(torch.finfo(cd).tiny), 0.0)
+    return out, stats
 
 
 def _backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask4: torch.Tensor | None,
-              out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+              out: torch.Tensor, stats: torch.Tensor, dout: torch.Tensor,
               mask_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     B, H, BK, cd = plan.B, plan.H, plan.B * plan.Hkv, plan.compute_dtype
     k3, v3 = _flat(plan, k), _flat(plan, v)
@@ -234,7 +240,7 @@ def _backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         qs = _rows(plan, q, q0, q1) * plan.scale  # (B*Hkv, G*n, D)
         do = _rows(plan, dout, q0, q1)  # (B*Hkv, G*n, Dv)
         delta = (dout[:, :, q0:q1].to(cd) * out[:, :, q0:q1].to(cd)).sum(-1, keepdim=True)  # (B, H, n, 1)
-        lse_blk = lse[:, :, q0:q1]
+        m_blk, inv_l = stats[:, :, q0:q1, :1], stats[:, :, q0:q1, 1:]
         dqs = torch.zeros_like(qs)  # gradient of the scaled scores times k, summed over key blocks
         for k0, k1 in _key_blocks(plan, q0, q1):
             _count("backward")
@@ -247,7 +253,7 @@ def _backward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                 s = s_graph.detach()
             else:
                 s = _block_scores(plan, raw, mask4, q0, q1, k0, k1)
-            p = (s - lse_blk).exp_()  # (B, H, n, bk); 0 on masked pairs and dead rows
+            p = (s - m_blk).exp_().mul_(inv_l)  # (B, H, n, bk); 0 on masked pairs and dead rows
             p3 = p.view(BK, -1, k1 - k0)
             dv3[:, k0:k1].baddbmm_(p3.transpose(1, 2), do)
             ds = torch.bmm(do, vb.transpose(1, 2)).view_as(p).sub_(delta).mul_(p)  # d final scores
@@ -273,17 +279,20 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 plan: _Plan) -> torch.Tensor:
-        out, lse = _forward(plan, q, k, v, _as_4d(mask))
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        with torch.autocast(q.device.type, enabled=False):  # the kernel picks its own compute dtype
+            out, stats = _forward(plan, q, k, v, _as_4d(mask))
+        ctx.save_for_backward(q, k, v, mask, out, stats)
         ctx.plan = plan
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, stats = ctx.saved_tensors
         mask_grad = mask is not None and mask.is_floating_point() and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask4 = _backward(ctx.plan, q, k, v, _as_4d(mask), out, lse, dout, mask_grad)
+        with torch.autocast(q.device.type, enabled=False):  # as in forward (a backward under autocast)
+            dq, dk, dv, dmask4 = _backward(ctx.plan, q, k, v, _as_4d(mask), out, stats, dout.to(out.dtype),
+                                           mask_grad)
         dmask = None if dmask4 is None else dmask4.view(mask.shape).to(mask.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None
 

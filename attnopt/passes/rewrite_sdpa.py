@@ -114,7 +114,9 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 name += "_"
             where = f"{m.record.module_path} {m.record.source}".strip()
             site_cls = BoundedFillSite if m.mask.bound_fill is not None else AttentionSite
-            site = site_cls(m.record.name, m.spec, candidate, guards, where, score_mod=m.score_mod)
+            cut_fills = m.mask.kind == "additive" and any(isinstance(t, Fill) for t in m.mask.terms)
+            site = site_cls(m.record.name, m.spec, candidate, guards, where, score_mod=m.score_mod,
+                            cut_fills=cut_fills)
             gm.add_submodule(name, site.train(gm.training))
             v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
             new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes))
