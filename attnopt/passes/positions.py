@@ -214,6 +214,8 @@ class _Analysis:
                 kind = self.function(node)
             else:
                 raise _Refuse("is not known to act on each position separately")
+            if kind == CONST and isinstance(meta_value(node), torch.Tensor) and self.axes(node):
+                kind = POSITION  # a time axis is T rows, however they are filled: never free of the length
             if kind == TOKEN and isinstance(meta_value(node), torch.Tensor) and len(self.axes(node)) != 1:
                 n = len(self.axes(node))
                 raise _Refuse("mixes positions: its result has " + ("no sequence axis left" if n == 0 else
@@ -258,8 +260,8 @@ class _Analysis:
         if torch.Tag.nondeterministic_seeded in target.tags and not _is_inactive_dropout(node):
             raise _Refuse("is random (dropout active? call model.eval() before generating)")
         tensor_kinds = [self.kind(i) for i in inputs if self.kind(i) != SHAPE]
-        if all(k == CONST for k in tensor_kinds) and not self.axes(node) and not any(
-                _involves(a, self.seq) for a in _flat(node.args) + _flat(node.kwargs)):
+        if all(k == CONST for k in tensor_kinds) and not self.axes(node) and not any(self.axes(i) for i in inputs) \
+                and not any(_involves(a, self.seq) for a in _flat(node.args) + _flat(node.kwargs)):
             return CONST  # computed from parameters and buffers alone, with no sequence axis
         packet = target.overloadpacket
         if packet in _METADATA:
@@ -270,7 +272,14 @@ class _Analysis:
         kw = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
         if kw is None:
             raise _Refuse("has arguments attnopt cannot read")
-        return rule(self, node, kw.kwargs)
+        kind = rule(self, node, kw.kwargs)
+        # A rule names the operands whose values it reads; one that returns less than an operand's kind has
+        # dropped that operand (an index, a start) unless the op reads only its shape or dtype.
+        read = [x for name, x in kw.kwargs.items() if name not in _SHAPE_ONLY.get(packet, ())]
+        weakest = self.strongest(read)
+        if _ORDER[kind] < _ORDER[weakest]:
+            raise _Refuse(f"reads a {weakest}-valued operand that attnopt's rule for it does not follow")
+        return kind
 
     def strongest(self, xs: Any) -> str:
         kinds = [self.kind(x) for x in _flat(xs) if isinstance(x, fx.Node) and self.kind(x) != SHAPE]
@@ -413,6 +422,23 @@ def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     return kind
 
 
+def _index_select(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``index_select(x, d, index)``: a fixed index picks along another axis; a token or position index
+    (one per time step) makes dim ``d`` of the result its time axis, so the result takes the index's kind."""
+    x, index = kw.get("self", kw.get("input")), kw["index"]
+    d = _dim(kw["dim"], len(shape_of(x) or ()))
+    if d in a.axes(x):
+        raise _Refuse(f"selects along the sequence axis (dim {kw['dim']})")
+    kind = a.kind(index)
+    if kind == CONST:
+        return a.kind(x)
+    if a.kind(x) != CONST:
+        raise _Refuse("gathers from a tensor computed from the sequence")
+    if kind == POSITION:
+        a.plan.bounds.append((f"the position table read by {describe(node)}", int((shape_of(x) or ())[d])))
+    return kind
+
+
 def _arange(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     start, end, step = kw.get("start", 0), kw.get("end"), kw.get("step", 1)
     a.no_length([kw.get("dtype"), kw.get("device")])
@@ -472,6 +498,12 @@ _P = aten
 #: Ops that read only sizes or check them; they return no tensor values.
 _METADATA = {_P.sym_size, _P.sym_numel, _P.sym_stride, _P.sym_storage_offset, _P._assert_scalar,
              _P.sym_constrain_range, _P.sym_constrain_range_for_size, _P._assert_tensor_metadata}
+#: Operands whose values an op does not read (only their shape, dtype or device).
+_SHAPE_ONLY: dict[Any, tuple[str, ...]] = {
+    _P.expand_as: ("other",), _P.type_as: ("other",),
+    **{op: ("self", "input") for op in (_P.new_ones, _P.new_zeros, _P.new_full, _P.new_empty, _P.ones_like,
+                                        _P.zeros_like, _P.full_like, _P.empty_like)},
+}
 _RULES: dict[Any, Any] = {
     **{op: _same_layout for op in (
         _P.transpose, _P.permute, _P.unsqueeze, _P.squeeze, _P.t, _P.alias, _P.clone, _P.contiguous,
@@ -481,7 +513,7 @@ _RULES: dict[Any, Any] = {
     **{op: _reshape for op in (_P.view, _P.reshape, _P._unsafe_view, _P.flatten, _P.unflatten)},
     **{op: _along("dim") for op in (
         _P.split, _P.split_with_sizes, _P.chunk, _P.unbind, _P.select, _P.narrow, _P.softmax, _P._softmax,
-        _P.log_softmax, _P._log_softmax, _P.cumsum, _P.cumprod, _P.index_select, _P.topk, _P.sort,
+        _P.log_softmax, _P._log_softmax, _P.cumsum, _P.cumprod, _P.topk, _P.sort,
         _P.logsumexp)},
     **{op: _along("dim", default_all=True) for op in (
         _P.sum, _P.mean, _P.amax, _P.amin, _P.var, _P.std, _P.prod, _P.any, _P.all, _P.norm,
@@ -489,7 +521,7 @@ _RULES: dict[Any, Any] = {
     **{op: _along("dims", default_all=True) for op in (_P.flip, _P.roll)},  # roll without dims: flattened
     _P.layer_norm: _norm, _P.native_layer_norm: _norm, _P.rms_norm: _norm,
     _P.matmul: _product, _P.mm: _product, _P.bmm: _product, _P.linear: _product,
-    _P.embedding: _lookup, _P.index: _lookup,
+    _P.embedding: _lookup, _P.index: _lookup, _P.index_select: _index_select,
     _P.arange: _arange,
     _P.slice: _slice,
     **{op: _factory for op in (
