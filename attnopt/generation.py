@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -59,7 +60,7 @@ from .passes.find_sites import Match, find_sites
 from .passes.masks import Add
 from .passes.positions import PositionError, PositionPlan, analyse_positions, offset_positions
 from .passes.rewrite_sdpa import rewrite_sites
-from .runtime import AttentionSite, candidate_layout
+from .runtime import AttentionSite, candidate_layout, is_band
 from .selector import Selector
 from .site import AttentionSpec
 
@@ -201,6 +202,120 @@ class MaskCheck:
         return ok
 
 
+class ModelChangedError(RuntimeError):
+    """The model changed after :func:`cached` in a way the cached model does not follow.
+
+    A tensor the cached graph computes with was replaced by another object (assigned, deleted and
+    registered again, ``load_state_dict(..., assign=True)``), or a buffer a causal proof read (nanoGPT's
+    ``tril`` mask) no longer holds the proven pattern. The message names the tensor; build the cached
+    model again with ``attnopt.cached(model)`` (which refuses a model that is no longer causal).
+    """
+
+
+@dataclass
+class _Pin:
+    """One model tensor the cached model depends on, by its name in the model."""
+
+    path: str
+    tensor: torch.Tensor  # the object at capture (held: identity, not the address, which the allocator reuses)
+    read: bool  # the cached graph or a mask check computes with this very object
+    patterns: list[tuple[tuple[Any, ...], tuple[Any, ...], str]] = field(default_factory=list)  # (cuts, values, site)
+    checks: list[MaskCheck] = field(default_factory=list)  # run-time mask checks that read its values
+    version: int = 0
+    ptr: int = 0
+
+    def __post_init__(self) -> None:
+        self.version, self.ptr = self.tensor._version, self.tensor.data_ptr()
+
+
+def _resolve(model: nn.Module, path: str) -> tuple[dict[str, Any] | None, list[tuple[dict[str, Any], str, Any]]]:
+    """The chain of dicts that hold ``path`` in ``model`` (``_modules`` down to ``_parameters``/``_buffers``/
+    ``__dict__``) as ``(dict, key, object)``; the first item is the last dict, None when the name is gone."""
+    *mods, name = path.split(".")
+    links: list[tuple[dict[str, Any], str, Any]] = []
+    owner: Any = model
+    for part in mods:
+        child = owner._modules.get(part) if isinstance(owner, nn.Module) else None
+        if child is None:
+            return None, links
+        links.append((owner._modules, part, child))
+        owner = child
+    for where in (owner._parameters, owner._buffers, owner.__dict__):
+        if name in where:
+            links.append((where, name, where[name]))
+            return where, links
+    return None, links
+
+
+class _Watch:
+    """Checks, before every prefill and step, that the model still is what the cached model was built from.
+
+    Every tensor the cached graph (or a :class:`MaskCheck`) reads is pinned to its *object*: a parameter or
+    buffer replaced by another one is not what the graph computes with, so the call raises
+    :class:`ModelChangedError`. In-place writes reach the graph (it shares the tensors), so weight updates
+    need nothing; but a buffer whose *values* a causal proof read (its band pattern) is also pinned to its
+    version counter and storage: when either moved, the pattern is checked again (:func:`runtime.is_band`)
+    and the call raises if it no longer holds. A proof-only buffer (the rewritten graph no longer reads it)
+    may be replaced by another tensor holding the same pattern. Mask checks read again after their
+    tensors changed. The per-call cost is one dict lookup per module and tensor on the pinned names.
+    """
+
+    def __init__(self, model: nn.Module, pins: list[_Pin]):
+        self.model = model
+        self.pins = pins
+        self.valued = [p for p in pins if p.patterns or p.checks]
+        self.links: list[tuple[dict[str, Any], str, Any]] = []
+        self._link()
+
+    def _link(self) -> None:
+        seen: set[tuple[int, str]] = set()
+        self.links = []
+        for p in self.pins:
+            for d, key, obj in _resolve(self.model, p.path)[1]:
+                if (id(d), key) not in seen:
+                    seen.add((id(d), key))
+                    self.links.append((d, key, obj))
+
+    @property
+    def paths(self) -> list[str]:
+        return [p.path for p in self.valued]
+
+    def check(self) -> None:
+        for d, key, obj in self.links:
+            if d.get(key) is not obj:
+                return self._recheck()
+        for p in self.valued:
+            if p.tensor._version != p.version or p.tensor.data_ptr() != p.ptr:
+                return self._recheck()
+        return None
+
+    def _recheck(self) -> None:
+        name = type(self.model).__name__
+        again = "call attnopt.cached(model) again to build the cached model from the model as it is now"
+        for p in self.pins:
+            where, _ = _resolve(self.model, p.path)
+            now = where[p.path.rsplit(".", 1)[-1]] if where is not None else None
+            if now is not p.tensor:
+                what = "was deleted" if now is None else "was replaced by another object"
+                if p.read or not isinstance(now, torch.Tensor):
+                    raise ModelChangedError(
+                        f"`{p.path}` of {name} {what} after attnopt.cached(model) (assigned, registered again or "
+                        f"loaded with assign=True); the cached model computes with the old tensor: {again}")
+                p.tensor = now  # a proof-only buffer: the pattern decides below
+            elif now._version == p.version and now.data_ptr() == p.ptr:
+                continue
+            for cuts, values, site in p.patterns:
+                if not is_band(now, cuts, values):
+                    raise ModelChangedError(
+                        f"`{p.path}` of {name} changed after attnopt.cached(model) and no longer holds the causal "
+                        f"pattern the proof of {site} read, so the model as written no longer computes what the "
+                        f"cache does (it attends by the new values); {again}")
+            for c in p.checks:
+                c.checked.clear()  # evaluated again, on the new values
+            p.version, p.ptr = now._version, now.data_ptr()
+        self._link()
+
+
 class CachedLM:
     """A causal LM that runs new tokens only, attending to cached keys and values.
 
@@ -228,6 +343,7 @@ class CachedLM:
         self.length = 0
         self.batch: int | None = None
         self.mask_checks: list[MaskCheck] = []
+        self.watch: _Watch | None = None  # the model's tensors the cache depends on (see _Watch)
         self.run = graph_module  # or its torch.compile'd version (cached(..., compile=True))
 
     @property
@@ -244,6 +360,8 @@ class CachedLM:
         """Run the prompt ``idx`` ``(B, T0)``; return its logits ``(B, T0, vocab)`` and cache K and V."""
         _check_tokens(idx, "idx")
         self.reset()
+        if self.watch is not None:
+            self.watch.check()
         self._check_room(idx.size(1))
         self._check_masks(idx.size(0), idx.size(1), idx.device)
         with torch.no_grad():
@@ -259,6 +377,8 @@ class CachedLM:
         if tokens.size(0) != self.batch:
             raise ValueError(f"tokens has batch size {tokens.size(0)} but the cached sequences {self.batch}; "
                              "call prefill(idx) to start a new batch")
+        if self.watch is not None:
+            self.watch.check()
         self._check_room(self.length + tokens.size(1))
         self._check_masks(self.batch, self.length + tokens.size(1), tokens.device)
         with torch.no_grad():
@@ -294,6 +414,9 @@ class CachedLM:
                  f"cache: {per} per position per sequence; allocated {self.cache_bytes} B"
                  + (f" for batch {self.batch}, {self.length} position(s) used" if self.batch else ""),
                  "", tabulate(rows, headers=["site", "where", "attention"])]
+        if self.watch is not None and self.watch.paths:
+            lines.append("buffers the causal proof read, checked before every call: "
+                         + ", ".join(f"`{p}`" for p in self.watch.paths))
         if self.plan.shifted:
             lines.append("positions shifted by the cache length: "
                          + ", ".join(f"`{n.name}`" for n in self.plan.shifted))
@@ -361,6 +484,8 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
             where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
             for n in m.internal:
                 notes[n] = f"it belongs to the attention {m.record.name} ({where}), which {why}"
+    proofs = [(str(buf.target), cuts, values, m.record.name) for m in chosen
+              for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
     if chosen:
         rewrite_sites(gm, chosen, "sdpa", {})
     with graph.inserting_after(tokens):
@@ -390,9 +515,41 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         s.max_len = limit
     lm = CachedLM(gm, sites, limit, source, _bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
     lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
+    lm.watch = _watch(model, gm, proofs, lm.mask_checks)
     if compile:
         lm.run = torch.compile(gm, dynamic=True)
     return lm
+
+
+def _watch(model: nn.Module, gm: fx.GraphModule, proofs: list[tuple[str, Any, Any, str]],
+           checks: list[MaskCheck]) -> _Watch:
+    """Pin the model's tensors that ``gm`` and the mask checks read, and the buffers the causal proofs read."""
+    pins: dict[str, _Pin] = {}
+
+    def pin(path: str, read: bool) -> _Pin | None:
+        if path not in pins:
+            where, _ = _resolve(model, path)
+            t = where[path.rsplit(".", 1)[-1]] if where is not None else None
+            if not isinstance(t, torch.Tensor):
+                return None  # not the model's (a constant export lifted): nothing outside can change it
+            pins[path] = _Pin(path, t, read)
+        pins[path].read |= read
+        return pins[path]
+
+    for module in (gm, *(c.module for c in checks)):
+        for node in module.graph.nodes:
+            if node.op == "get_attr":
+                pin(str(node.target), True)
+    for c in checks:
+        for node in c.module.graph.nodes:
+            p = pin(str(node.target), True) if node.op == "get_attr" else None
+            if p is not None and c not in p.checks:
+                p.checks.append(c)
+    for path, cuts, values, site in proofs:
+        p = pin(path, False)
+        if p is not None:
+            p.patterns.append((tuple(cuts), tuple(values), site))
+    return _Watch(model, list(pins.values()))
 
 
 def _not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None:
@@ -660,4 +817,5 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
     return torch.cat(out, dim=1)
 
 
-__all__ = ["CachedLM", "KVCacheAttention", "MaskCheck", "PositionError", "cached", "generate", "generate_plain"]
+__all__ = ["CachedLM", "KVCacheAttention", "MaskCheck", "ModelChangedError", "PositionError", "cached", "generate",
+           "generate_plain"]
