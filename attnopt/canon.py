@@ -141,6 +141,54 @@ def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+# ----------------------------------------------------------------------------- dtype conversions
+
+
+def holds_exactly(dtype: torch.dtype | None, compute: torch.dtype | None) -> bool:
+    """Every value of floating dtype ``compute`` is a value of floating dtype ``dtype`` (same, or wider:
+    float16/bfloat16 -> float32 -> float64). float16 and bfloat16 hold each other's values only in part."""
+    if dtype is None or compute is None or not dtype.is_floating_point or not compute.is_floating_point:
+        return False
+    if dtype == compute:
+        return True
+    fi, fc = torch.finfo(dtype), torch.finfo(compute)
+    return fi.bits > fc.bits and fi.eps <= fc.eps and fi.max >= fc.max and fi.tiny <= fc.tiny \
+        and fi.smallest_normal <= fc.smallest_normal
+
+
+def convert_scalar(value: Any, dtype: torch.dtype) -> Any:
+    """One element ``value`` (a Python bool, int or float holding it exactly) converted to ``dtype`` as
+    torch converts tensors: floats truncate toward zero into integers, integers wrap around (two's
+    complement), bool is "nonzero", floats round to the nearest value of a narrower float (or overflow
+    to inf). Raises ValueError where the conversion is not defined: NaN, inf or a float outside an
+    integer dtype's range (C++ leaves those to the platform), or a value that is not a plain number.
+    """
+    if isinstance(value, bool):
+        value = int(value)
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number")
+    if dtype == torch.bool:
+        return value != 0 or value != value  # nonzero; NaN is True
+    if dtype.is_complex:
+        raise ValueError("complex dtype")
+    if dtype.is_floating_point:
+        if isinstance(value, int):
+            if not -2 ** 63 <= value < 2 ** 63:
+                raise ValueError(f"{value} does not fit in int64")
+            return torch.tensor(value, dtype=torch.int64).to(dtype).item()
+        return torch.tensor(value, dtype=torch.float64).to(dtype).item()
+    info = torch.iinfo(dtype)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value} has no {dtype} value")
+        value = math.trunc(value)
+        if not info.min <= value <= info.max:
+            raise ValueError(f"{value} is outside the range of {dtype}")
+        return value
+    wrapped = value & ((1 << info.bits) - 1)
+    return wrapped - (1 << info.bits) if info.min < 0 and wrapped > info.max else wrapped
+
+
 # ----------------------------------------------------------------------------- readers
 
 Reader = Callable[[fx.Node, Any], "Op | None"]
@@ -625,6 +673,100 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
         name = getattr(user.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_") and bool(user.args) and user.args[0] is node
     return False
+
+
+#: In-place methods that change no element (flags and bookkeeping), so they are not writes of values.
+_METADATA_INPLACE = frozenset(("requires_grad_", "share_memory_", "retain_grad"))
+
+
+def writes(user: fx.Node, node: fx.Node, root: torch.nn.Module | None = None) -> bool:
+    """``user`` writes ``node``'s memory: an in-place method or function, ``out=``, ``x[...] = y``, an
+    in-place operator (``x += y``), ``inplace=True`` (a function's keyword, or a module's flag in a
+    ``symbolic_trace`` graph, where ``nn.ReLU(inplace=True)`` stays a ``call_module``)."""
+    if user.op == "call_method" and str(user.target) in _METADATA_INPLACE:
+        return False
+    if _writes(user, node):
+        return True
+    first = bool(user.args) and user.args[0] is node
+    if user.op in ("call_function", "call_method") and user.kwargs.get("inplace") is True:
+        return first
+    if user.op == "call_module" and first:
+        if root is None:
+            return True  # an unknown module may write its input
+        try:
+            mod = root.get_submodule(str(user.target))
+        except AttributeError:
+            return True
+        return bool(getattr(mod, "inplace", False))
+    return False
+
+
+#: Views and the like that ``aliases`` does not list (their result may share memory with the first argument).
+_MORE_VIEW_METHODS = frozenset((
+    "swapaxes", "swapdims", "movedim", "moveaxis", "ravel", "view_as_real", "view_as_complex", "tensor_split",
+    "split_with_sizes", "hsplit", "vsplit", "dsplit", "type", "double", "long", "int", "short", "char", "byte",
+    "cpu", "cuda", "alias", "squeeze_", "unsqueeze_", "t_", "transpose_", "as_strided_",
+))
+#: Modules whose result may be their input itself or a view of it.
+_VIEW_MODULES = (torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten, torch.nn.Dropout, torch.nn.Dropout1d,
+                 torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def _shares_with(user: fx.Node, node: fx.Node, root: torch.nn.Module | None) -> bool:
+    """``user``'s result may share memory with ``node`` (a view, the in-place result, ``out=``)."""
+    if user.kwargs.get("out") is node:
+        return True
+    if not (user.args and user.args[0] is node):
+        return False
+    if aliases(user) or writes(user, node, root):
+        return True
+    if user.op == "call_method":
+        return str(user.target) in _MORE_VIEW_METHODS
+    if user.op == "call_function":
+        return user.target is getattr  # x.T, x.mT, x.data
+    if user.op == "call_module":
+        if root is None:
+            return True
+        try:
+            return isinstance(root.get_submodule(str(user.target)), _VIEW_MODULES)
+        except AttributeError:
+            return True
+    return False
+
+
+def alias_group(node: fx.Node, root: torch.nn.Module | None = None) -> set[fx.Node]:
+    """Every node whose tensor may share memory with ``node``'s: up through views (and in-place results)
+    to the base, then down through every view of it. ``get_attr`` nodes of one attribute (symbolic_trace
+    makes one per access) are one tensor. Conservative: ops that may return an alias count as views."""
+    base = node
+    for _ in range(64):
+        parent = None
+        if base.op in ("call_function", "call_method", "call_module"):
+            out = base.kwargs.get("out")
+            if isinstance(out, fx.Node):
+                parent = out
+            elif base.args and isinstance(base.args[0], fx.Node) and _shares_with(base, base.args[0], root):
+                parent = base.args[0]
+        if parent is None:
+            break
+        base = parent
+    roots = [base]
+    if base.op == "get_attr":
+        obj = attr_value(root, str(base.target)) if root is not None else None
+        for n in base.graph.nodes:
+            if n.op == "get_attr" and n is not base and (n.target == base.target or (
+                    obj is not None and isinstance(obj, torch.Tensor)
+                    and attr_value(root, str(n.target)) is obj)):  # type: ignore[arg-type]
+                roots.append(n)
+    group: set[fx.Node] = set()
+    pending = list(roots)
+    while pending:
+        cur = pending.pop()
+        if cur in group:
+            continue
+        group.add(cur)
+        pending.extend(u for u in cur.users if _shares_with(u, cur, root))
+    return group
 
 
 def aliases(user: fx.Node) -> bool:

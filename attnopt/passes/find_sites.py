@@ -29,6 +29,7 @@ Example: nanoGPT's block yields one Match with ``spec.describe() == "scale=0.125
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,14 +38,17 @@ import torch.fx as fx
 
 from ..canon import (
     Op,
+    alias_group,
     dtype_of,
     functionalize_inplace,
+    holds_exactly,
     is_scalar,
     is_zero_dim_tensor,
     meta_value,
     mutated,
     read,
     shape_of,
+    writes,
 )
 from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, SiteRecord
 from .masks import Add, Fill, MaskPlan, _neg_large, _same, plan_mask
@@ -197,6 +201,7 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     dropout: tuple[Any, str] = (0.0, "off")
     dropout_module: str | None = None
     v_transposed = False
+    post_casts: list[fx.Node] = []
     while True:
         try:
             user = _only_user(cur, "attention probabilities")
@@ -210,6 +215,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
                            f"{_at(user)} before the product with values",
                            NOT_ATTENTION if cur is softmax else LEFT_ALONE)
         if op.kind in ("cast", "identity") and op.args[0] is cur:
+            if op.kind == "cast":
+                post_casts.append(user)
             record.spelling.append(op.spelling)
             internal.append(user)
             cur = user
@@ -283,6 +290,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     assert pop is not None
     record.spelling = [pop.spelling, *reversed(record.spelling), *post_spelling]
     q, k_t, k_transposed = pop.args if pop.kind == "matmul" else (pop.args[1], pop.args[2], False)
+    _check_casts(softmax, sm.args[2], [n for kind, n in chain if kind == "cast"], post_casts, dtype_of(q),
+                 dtype_of(v))
     # ---- scale, score modifier, then masks, in program order
     scale = 1.0
     scale_tensors: list[tuple[Any, str]] = []
@@ -290,6 +299,8 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
     masks: list[Any] = []
     mods: list[tuple[Any, ...]] = []
     for kind, payload in chain:
+        if kind == "cast":
+            continue
         if kind == "mod":
             if masks:
                 try:
@@ -430,10 +441,144 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"
         record.spelling.append(f"mask({plan.fill_spelling}{shape})")
     internal.extend([softmax, pv])
-    return Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
-                 v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,
-                 dropout_p=dropout[0] if runtime_p else None, dropout_module=dropout_module,
-                 internal=internal, score_mod=score_mod, v_transposed=v_transposed)
+    match = Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
+                  v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,
+                  dropout_p=dropout[0] if runtime_p else None, dropout_module=dropout_module,
+                  internal=internal, score_mod=score_mod, v_transposed=v_transposed)
+    _check_no_write_before_site(gm, match)
+    return match
+
+
+# ----------------------------------------------------------------------------- dtype conversions
+
+_INTERNAL_DTYPE_NOTE = "the fused kernel computes in {compute}"
+
+
+def _check_casts(softmax: fx.Node, softmax_dtype: Any, pre: list[fx.Node], post: list[fx.Node],
+                 compute: torch.dtype | None, v_dtype: torch.dtype | None) -> None:
+    """Only value-preserving conversions are read as transparent.
+
+    Between the product and the softmax (``pre``, and the softmax's own ``dtype=``) a conversion
+    must hold every value of the compute dtype (q's): the same dtype or a wider float (``s.float()``
+    on bfloat16 scores). On the probabilities (``post``) a float conversion may also go to v's
+    dtype, the ``softmax(s.float()).to(q.dtype) @ v`` pattern: the site computes in the compute
+    dtype and returns the original's output dtype. Conversions to integers or bool (fake
+    quantisation, hard attention) and narrowing ones (fp32 logits rounded to bfloat16, or to
+    float16 where values above 65504 overflow) change values, so the site is left as written.
+    """
+    if compute is None:
+        return  # q's dtype is unknown: refused below ("q and k have dtypes ...")
+    steps: list[tuple[str, fx.Node, torch.dtype | None, torch.dtype | None, str]] = [
+        ("scores", n, dtype_of(n.args[0]), dtype_of(n), read(n).spelling if read(n) else str(n.target))  # type: ignore
+        for n in pre]
+    if isinstance(softmax_dtype, torch.dtype):
+        steps.append(("scores", softmax, dtype_of(softmax.args[0]), softmax_dtype, "softmax(dtype=...)"))
+    steps += [("probabilities", n, dtype_of(n.args[0]), dtype_of(n),
+               read(n).spelling if read(n) else str(n.target)) for n in post]  # type: ignore[union-attr]
+    for what, node, src, dst, spelling in steps:
+        if dst is None or src is None:
+            raise NearMiss(f"the {what} pass through a conversion {spelling}{_at(node)} whose dtypes are unknown")
+        if not (src.is_floating_point and dst.is_floating_point):
+            kind = "integer" if not dst.is_floating_point and dst != torch.bool else "boolean"
+            raise NearMiss(f"the {what} are converted to {dst} by {spelling}{_at(node)} (a lossy conversion: "
+                           f"{'from ' + str(src) if not src.is_floating_point else kind + ' values'}, "
+                           "not the values as computed)")
+        if holds_exactly(dst, compute) or (what == "probabilities" and dst == v_dtype):
+            continue
+        raise NearMiss(f"the {what} are converted to {dst} by {spelling}{_at(node)} (a lossy conversion: "
+                       f"{dst} does not hold every {compute} value; {_INTERNAL_DTYPE_NOTE.format(compute=compute)})")
+
+
+# ----------------------------------------------------------------------------- in-place writes
+
+_METADATA_READS = frozenset(("size", "dim", "ndimension", "numel", "stride", "is_contiguous", "get_device",
+                             "element_size", "nelement"))
+
+
+def _reads_values(user: fx.Node) -> bool:
+    """``user`` may read its input's values (not only its shape, dtype or device)."""
+    if user.op == "call_method" and str(user.target) in _METADATA_READS:
+        return False
+    if user.op == "call_function":
+        name = getattr(user.target, "__name__", "")
+        if name in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset") or user.target in (
+                torch.ops.aten.sym_size.int,):
+            return False
+        if user.target is getattr and len(user.args) > 1 and user.args[1] in ("shape", "dtype", "device", "ndim",
+                                                                                  "is_cuda", "requires_grad"):
+            return False
+    return True
+
+
+def _site_inputs(m: Match) -> list[tuple[fx.Node, str]]:
+    """Every tensor the site reads where ``P @ V`` was, with the role it plays."""
+    named: list[tuple[Any, str]] = [(m.q, "q"), (m.k if m.k is not None else m.k_t, "k"), (m.v, "v")]
+    for t in m.mask.terms:
+        named.append((t.mask, "the added mask") if isinstance(t, Add) else (t.cond, "the mask condition"))
+    named += [(n, "a buffer the causal proof read") for n in m.mask.guarded]
+    named += [(n, "a mask term the proof assumes") for n, _ in m.mask.conditions]
+    named += [(f, "the scale tensor") for f, _ in m.scale_tensors]
+    named += [(f, "the run-time scale") for f, _ in m.scale_nodes]
+    if m.dropout_p is not None:
+        named.append((m.dropout_p, "the dropout probability"))
+    out, seen = [], set()
+    for node, role in named:
+        if isinstance(node, fx.Node) and node not in seen and not isinstance(
+                meta_value(node), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            seen.add(node)
+            out.append((node, role))
+    return out
+
+
+def _write_spelling(w: fx.Node) -> str:
+    if isinstance(w.kwargs.get("out"), fx.Node):
+        return f"`{getattr(w.target, '__name__', w.target)}(..., out=)`"
+    if w.op == "call_method":
+        return f".{w.target}()"
+    if w.op == "call_module":
+        return f"module `{w.target}` (inplace=True)"
+    if w.kwargs.get("inplace") is True:
+        return f"`{getattr(w.target, '__name__', w.target)}(..., inplace=True)`"
+    if w.target is operator.setitem:
+        return "setitem (`x[...] = ...`)"
+    op = read(w)
+    return op.spelling if op is not None else str(getattr(w.target, "__name__", w.target))
+
+
+def _check_no_write_before_site(gm: fx.GraphModule, m: Match) -> None:
+    """Refuse a site whose inputs are written between their first read and ``P @ V``.
+
+    The site runs where ``P @ V`` was and reads q, k, v, the masks, added biases and 0-d scale
+    tensors there. A write to one of them (or to any tensor sharing its memory: a view, its base,
+    another view of the base) after the original computation read it and before ``P @ V`` would
+    make the site read the new value, so the site is left as written. Writes before that first
+    read are seen by both; writes to the site's own scores are part of the computation.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    end = order[m.output]
+    feeds: set[fx.Node] = set()  # everything P @ V is computed from
+    pending = [m.output]
+    while pending:
+        n = pending.pop()
+        if n in feeds:
+            continue
+        feeds.add(n)
+        pending.extend(n.all_input_nodes)
+    for x, role in _site_inputs(m):
+        reads = [order[u] for u in x.users if u in feeds and _reads_values(u)]
+        if not reads:
+            continue
+        first = min(reads)
+        if first >= end:
+            continue  # read by P @ V itself
+        group = alias_group(x, gm)
+        for g in group:
+            for w in g.users:
+                if first <= order[w] < end and writes(w, g, gm):
+                    name = f"`{role}`" if role in ("q", "k", "v") else role
+                    via = "" if g is x else f" (through `{g.name}`, which shares its memory)"
+                    raise NearMiss(f"{name} is written in place by {_write_spelling(w)}{_at(w)}{via} after the "
+                                   "attention reads it and before `P @ V`; the fused kernel would read the new value")
 
 
 def _same_shape(a: Any, b: Any) -> bool:
@@ -467,6 +612,8 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
                 return x
         return None
     if k in ("cast", "identity"):
+        if k == "cast":
+            chain.append(("cast", node))  # checked once the compute dtype is known (_check_casts)
         record.spelling.append(op.spelling)
         return op.args[0]
     if k == "masked_fill":

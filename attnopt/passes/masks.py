@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..canon import aliases, attr_value, dtype_of, meta_value, mutated, read, shape_of
+from ..canon import aliases, attr_value, convert_scalar, dtype_of, meta_value, mutated, read, shape_of
 from ..runtime import band_pattern
 
 
@@ -323,7 +323,17 @@ class BandReader:
         except _Unknown:
             if isinstance(a, fx.Node) and not isinstance(b, fx.Node):
                 s = _value(b)
-                return self.band(a).map(lambda v: bool(_COMPARE[k](v, s)))
+                src = dtype_of(a)
+                if src is None or not isinstance(s, (int, float, bool)):
+                    raise _Unknown from None
+                # torch compares in the promoted dtype: a float16 band against 0.1 compares 0.1 in float16
+                common = torch.result_type(torch.empty(1, dtype=src), s)
+                band = _convert(self.band(a), common)
+                try:
+                    s = convert_scalar(s, common)
+                except ValueError:
+                    raise _Unknown from None
+                return band.map(lambda v: bool(_COMPARE[k](v, s)))
             raise
         ci, cj, c = diff  # a - b = ci * i + cj * j + c
         if _same(rows, 1) and cj in (1, -1):
@@ -414,6 +424,8 @@ class BandReader:
                 raise _Unknown
             return out
         if op.kind in ("cast", "identity"):
+            if dtype_of(node) == torch.int32 and dtype_of(op.args[0]) != torch.int32:
+                raise _Unknown  # int64 -> int32 may wrap around
             return self.affine(op.args[0])
         if op.kind == "view":
             return _reshaped(self.affine(op.args[0]), tuple(shape), node)
@@ -579,13 +591,15 @@ def _indexed(x: _Affine, index: Any, shape: tuple[Any, ...]) -> _Affine:
 
 
 def _convert(b: Band, dtype: torch.dtype | None) -> Band:
+    """The band ``b`` converted to ``dtype`` as torch converts its values (see :func:`canon.convert_scalar`):
+    ``0.5`` is ``0`` in int64, ``256`` is ``0`` in uint8, bool is "nonzero". A conversion torch leaves
+    undefined (a float out of an integer's range), or an unknown dtype, proves nothing."""
     if dtype is None:
-        return b
-    if dtype == torch.bool:
-        return b.map(bool)
-    if dtype.is_floating_point:
-        return b.map(float)
-    return b
+        raise _Unknown
+    try:
+        return b.map(lambda v: convert_scalar(v, dtype))
+    except ValueError:
+        raise _Unknown from None
 
 
 def _neg_large(value: float, dtype: torch.dtype | None) -> str | None:
