@@ -62,6 +62,20 @@ def test_a_mask_argument_proven_causal_once_is_checked_again_on_every_call(varia
             del keep
 
 
+def test_a_mask_argument_is_checked_per_call_with_compile_true() -> None:
+    if candidates.get_candidate("flex").available("cpu") is not None:  # same requirement: a C++ compiler
+        pytest.skip("compile=True needs a C++ compiler")
+    model = MaskArg()
+    opt = attnopt.optimize(model, variant="sdpa", compile=True)
+    q, k, v = qkv()
+    with torch.no_grad():
+        for lookahead in (0, 2, 0, 3):
+            keep = torch.ones(T, T).tril(lookahead)
+            with quiet():
+                torch.testing.assert_close(opt(q, k, v, keep), model(q, k, v, keep))
+            del keep
+
+
 def test_a_padding_term_anded_into_a_mask_argument_is_checked_per_call() -> None:
     class PadArg(nn.Module):
         def forward(self, q, k, v, keep, pad):
