@@ -145,6 +145,7 @@ class MaskCheck:
         self.site_name = site_name
         self.where = where
         self.checked: set[tuple[int, int]] = set()
+        self.changed: str | None = None  # a model tensor it reads that changed after cached() (see _Watch)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8) -> MaskCheck | str:
@@ -312,6 +313,7 @@ class _Watch:
                         f"cache does (it attends by the new values); {again}")
             for c in p.checks:
                 c.checked.clear()  # evaluated again, on the new values
+                c.changed = p.path
             p.version, p.ptr = now._version, now.data_ptr()
         self._link()
 
@@ -393,6 +395,11 @@ class CachedLM:
             except Exception as e:
                 raise PositionError(f"the mask of {c.site_name} ({c.where}) could not be evaluated for {batch} "
                                     f"sequence(s) of {length} tokens: {type(e).__name__}: {e}") from e
+            if not ok and c.changed is not None:
+                raise ModelChangedError(
+                    f"`{c.changed}` of {self.name} changed after attnopt.cached(model), and the mask of {c.site_name} "
+                    f"({c.where}) it builds is no longer causal for {batch} sequence(s) of {length} tokens; call "
+                    "attnopt.cached(model) again to build the cached model from the model as it is now")
             if not ok:
                 raise PositionError(f"the mask of {c.site_name} ({c.where}) is not causal for {batch} sequence(s) "
                                     f"of {length} tokens, so the cache would not compute what the model does")

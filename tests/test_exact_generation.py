@@ -14,8 +14,12 @@ serving the causal model's logits: ``prefill`` and ``step`` raise and say to cal
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from attnopt.generation import CachedLM, ModelChangedError, PositionError, cached, generate, generate_plain
 from attnopt.models import GPTConfig, NanoGPT
@@ -181,3 +185,44 @@ def test_replaced_weights_are_detected():
     model2.load_state_dict({k: v.clone() for k, v in model2.state_dict().items()}, assign=True)
     with pytest.raises(ModelChangedError, match="replaced"):
         c2.prefill(torch.randint(0, VOCAB, (1, 4)))
+
+
+class CumsumMaskAttention(nn.Module):
+    """Causal through a mask the symbolic proof cannot read (``tril.cumsum(0) > 0`` is ``tril``), from a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.register_buffer("tri", torch.tril(torch.ones(16, 16)))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, 2, 8).transpose(1, 2) for y in self.qkv(x).split(16, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(8))
+        att = att.masked_fill(~(self.tri[:t, :t].cumsum(0) > 0), float("-inf"))
+        return (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+
+
+class OneSite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = GPTConfig(block_size=16, vocab_size=VOCAB, n_embd=16)
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.mix = CumsumMaskAttention()
+        self.head = nn.Linear(16, VOCAB)
+        self.eval()
+
+    def forward(self, idx):
+        return self.head(self.mix(self.wte(idx)))
+
+
+def test_a_run_time_mask_check_reads_its_buffer_again_after_a_write():
+    """A mask checked causal per (batch, length) is checked again once a buffer it reads changed."""
+    model = OneSite()
+    c = cached(model)
+    assert len(c.mask_checks) == 1
+    _pieces_match(model, c)
+    model.mix.tri.fill_(1)
+    with pytest.raises(ModelChangedError, match=r"`mix\.tri`.*no longer causal for 2 sequence\(s\) of 5 tokens"):
+        _pieces_match(model, c)
