@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+import random
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -14,10 +18,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .backend import attnopt_backend
+from .canon import meta_value
 from .config import OptimizeConfig
 from .pipeline import run_pipeline
 from .report import Report
-from .runtime import AUTO
+from .runtime import AUTO, AttentionSite
 from .selector import Selector
 
 log = logging.getLogger("attnopt")
@@ -152,6 +157,14 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, 
     ``gm`` is not modified; a new GraphModule sharing its parameters is returned, with the
     report in ``new_gm.meta["attnopt_report"]``. Graphs without shape metadata (``symbolic_trace``)
     need ``example_inputs``; causal masks read from buffers are proven on their current values.
+
+    The proof reads the shapes it was given (a ``symbolic_trace`` graph's sizes come from
+    ``example_inputs``: ``k.size(-1) ** -0.5`` is a number there), so the returned module runs the
+    rewritten graph only for inputs with the signature the proof saw: tensor shapes, dtypes and
+    devices, and the values of non-tensor inputs. A graph whose shapes are symbolic (``torch.export``
+    with dynamic dims) serves every size its shape environment allows, provided the proof added no
+    guard to it. Any other signature is proven again on its own inputs (kept for up to
+    ``_MAX_SIGNATURES`` signatures, each added to the report) and beyond that runs as written.
     """
     if isinstance(gm, torch.export.ExportedProgram):
         raise TypeError("pass exported_program.module() (a GraphModule), not the ExportedProgram")
@@ -164,10 +177,414 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, 
         if len(example_inputs) != n:
             raise TypeError(f"the GraphModule takes {n} input(s), got {len(example_inputs)} example input(s)")
     config = OptimizeConfig(variant=_variant_from_env(variant), verify=verify)
-    new_gm, records = run_pipeline(gm, example_inputs, config)
+    selector = Selector(memory_budget=config.memory_budget) if config.candidate == AUTO else None
+    original = _plain_copy(gm)  # the graph as written, for other signatures (shares gm's parameters)
+    pattern = _Pattern.before_proof(gm, example_inputs)
+    with _training_flags_kept(gm):
+        new_gm, records = run_pipeline(gm, example_inputs, config, selector=selector)
+    pattern.after_proof()
     report = Report(records=records, graphs=1)
     new_gm.meta["attnopt_report"] = report
-    return new_gm
+    guarded = RewrittenGraphModule(new_gm, new_gm.graph, class_name=type(new_gm).__name__)
+    guarded.meta = new_gm.meta
+    guarded.training = new_gm.training
+    guarded.__dict__["_attnopt_guard"] = _SignatureGuard(
+        original=original, delegate=gm if isinstance(gm, RewrittenGraphModule) else None,
+        config=config, selector=selector, report=report, pattern=pattern)
+    return guarded
+
+
+#: How many input signatures besides the proven one a rewritten GraphModule proves and keeps.
+_MAX_SIGNATURES = 8
+
+_SHAPE_META = ("val", "example_value", "tensor_meta")
+
+
+class RewrittenGraphModule(fx.GraphModule):
+    """What :func:`rewrite` returns: the rewritten graph, run for the input signature it was proven on.
+
+    It is a ``GraphModule`` (``.graph``, ``.code``, its ``attnopt_site*`` submodules, parameters
+    shared with the input graph module). Called with inputs of another signature (shapes, dtypes,
+    devices, values of non-tensor inputs), it proves the input graph again on those inputs and runs
+    that rewrite (cached per signature), or runs the graph as written. Calling ``.forward``
+    directly, or interpreting ``.graph``, runs the proven rewrite whatever the inputs.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        guard = self.__dict__.get("_attnopt_guard")
+        if guard is None:
+            return super().__call__(*args, **kwargs)
+        return guard.call(self, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RewrittenGraphModule:
+        res = super().__deepcopy__(memo)
+        guard = self.__dict__.get("_attnopt_guard")
+        if guard is not None:
+            res.__dict__["_attnopt_guard"] = copy.deepcopy(guard, memo)
+        return res  # type: ignore[return-value]
+
+
+def _plain_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    new.meta = {k: v for k, v in getattr(gm, "meta", {}).items() if k != "attnopt_report"}
+    new.training = gm.training
+    return new
+
+
+@contextlib.contextmanager
+def _training_flags_kept(module: nn.Module) -> Iterator[None]:
+    """The pipeline copies ``gm`` with ``train(gm.training)``; submodules shared with it keep their own mode."""
+    flags = [(m, m.training) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+class _Unkeyable(Exception):
+    """An input whose value cannot be compared with a later call's (the call runs as written)."""
+
+
+def _key(x: Any) -> Any:
+    """A hashable description of what the proof may read from one input: metadata, not values."""
+    if isinstance(x, _MetaKey):
+        return x.key
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(int(d) for d in x.shape), x.dtype, x.device, x.layout)
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str, torch.dtype, torch.device, torch.layout)):
+        return (type(x).__name__, x)
+    if isinstance(x, float):
+        return ("float", x.hex())  # tells -0.0 from 0.0; nan equals nan
+    if isinstance(x, complex):
+        return ("complex", x.real.hex(), x.imag.hex())
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_key(y) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _Unkeyable(type(x).__name__)
+    try:
+        hash(x)
+    except TypeError as e:
+        raise _Unkeyable(type(x).__name__) from e
+    return ("object", type(x), x)
+
+
+def _shape_env(values: Sequence[Any]) -> Any:
+    for v in values:
+        sizes: list[Any] = []
+        if isinstance(v, torch.Tensor):
+            sizes = list(v.shape)
+        elif isinstance(v, (torch.SymInt, torch.SymFloat)):
+            sizes = [v]
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env
+    return None
+
+
+class _Pattern:
+    """The input signature a proof saw: concrete (a key to compare) or symbolic (sizes to bind).
+
+    A graph whose placeholders carry symbolic sizes was proven on symbols; that proof holds for every
+    binding of them that satisfies the shape environment's guards and ranges, as long as the proof
+    itself added no guard or replacement (one would mean it read a concrete size). Otherwise the
+    signature is the concrete one: the example inputs', or the placeholders' metadata with each
+    symbol at its hint.
+    """
+
+    def __init__(self) -> None:
+        self.key: Any = None          # concrete signature; None: never matched concretely
+        self.specs: list[Any] | None = None  # symbolic: per input ("tensor", dims, dtype, device) or ("sym", expr)
+        self.env: Any = None
+        self._env_state: Any = None
+
+    @classmethod
+    def before_proof(cls, gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> _Pattern:
+        from .passes.shapes import has_shapes
+
+        p = cls()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        metas = [meta_value(n) for n in placeholders] if has_shapes(gm) else None
+        env = _shape_env(metas) if metas is not None else None
+        if env is not None:
+            p.env, p.specs = env, [_spec(m) for m in metas]  # type: ignore[union-attr]
+            p._env_state = _env_state(env)
+        try:
+            p.key = _key(tuple(_concrete(m) for m in metas)) if metas is not None else None
+        except _Unkeyable:
+            p.key = None
+        if p.key is None and example_inputs is not None:
+            try:
+                p.key = _key(tuple(example_inputs))
+            except _Unkeyable:
+                p.key = None
+        return p
+
+    def after_proof(self) -> None:
+        if self.env is not None and _env_state(self.env) != self._env_state:
+            self.specs = None  # the proof specialised a symbol: only the concrete signature is proven
+            log.info("attnopt.rewrite: the proof read a concrete size of a symbolic graph; "
+                     "other sizes are proven again")
+
+    def matches(self, key: Any, inputs: tuple[Any, ...] | None) -> bool:
+        if self.key is not None and key == self.key:
+            return True
+        if self.specs is None or inputs is None or len(inputs) != len(self.specs):
+            return False
+        try:
+            return _binds(self.specs, inputs, self.env)
+        except Exception:  # noqa: BLE001 - anything unexpected: not proven for these inputs
+            return False
+
+
+def _env_state(env: Any) -> Any:
+    return (len(env.guards), dict(env.replacements), dict(env.var_to_range),
+            len(getattr(env, "deferred_runtime_asserts", {}) or {}))
+
+
+def _expr(s: Any) -> Any:
+    if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return s.node.expr
+    return s
+
+
+def _spec(m: Any) -> Any:
+    if isinstance(m, torch.Tensor):
+        return ("tensor", tuple(_expr(d) for d in m.shape), m.dtype, m.device, m.layout)
+    if hasattr(m, "shape") and hasattr(m, "dtype"):  # TensorMetadata: no device recorded
+        return ("tensor", tuple(_expr(d) for d in m.shape), m.dtype, None, None)
+    if isinstance(m, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", _expr(m))
+    return ("value", _key(m))
+
+
+def _concrete(m: Any) -> Any:
+    """A placeholder's metadata as the value it stands for, symbols at their hints (fake tensors as such)."""
+
+    def hint(s: Any) -> Any:
+        if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            h = s.node.hint
+            if h is None:
+                raise _Unkeyable("unbacked symbol")
+            return h
+        return s
+
+    if isinstance(m, torch.Tensor):
+        return _MetaKey(("tensor", tuple(int(hint(d)) for d in m.shape), m.dtype, m.device, m.layout))
+    if hasattr(m, "shape") and hasattr(m, "dtype"):
+        raise _Unkeyable("tensor metadata without a device")
+    return hint(m)
+
+
+class _MetaKey:
+    """A key already computed (``_key`` returns it unchanged inside a tuple)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+
+def _binds(specs: list[Any], inputs: tuple[Any, ...], env: Any) -> bool:
+    import sympy
+
+    binding: dict[Any, Any] = {}
+    later: list[tuple[Any, Any]] = []
+
+    def dim(want: Any, got: Any) -> bool:
+        if isinstance(want, (int, float, bool)):
+            return want == got
+        if isinstance(want, sympy.Symbol):
+            if binding.setdefault(want, got) != got:
+                return False
+            return True
+        later.append((want, got))
+        return True
+
+    for spec, x in zip(specs, inputs):
+        if spec[0] == "tensor":
+            _, dims, dtype, device, layout = spec
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype or x.dim() != len(dims):
+                return False
+            if (device is not None and x.device != device) or (layout is not None and x.layout != layout):
+                return False
+            if not all(dim(w, int(g)) for w, g in zip(dims, x.shape)):
+                return False
+        elif spec[0] == "sym":
+            if isinstance(x, (bool, torch.Tensor)) or not isinstance(x, (int, float)) or not dim(spec[1], x):
+                return False
+        elif _key(x) != spec[1]:
+            return False
+    subs = {s: sympy.Integer(v) if isinstance(v, int) else sympy.Float(v) for s, v in binding.items()}
+
+    def holds(expr: Any) -> bool:
+        value = sympy.sympify(env.replace(sympy.sympify(expr))).xreplace(subs)
+        return value is sympy.true or (value.is_number and bool(value))
+
+    for expr, got in later:
+        value = sympy.sympify(expr).xreplace(subs)
+        if not value.is_number or value != got:
+            return False
+    for g in env.guards:
+        if not holds(g.expr):
+            return False
+    for sym, target in env.replacements.items():
+        if sym in subs and not holds(sympy.Eq(sym, target)):
+            return False
+    for sym, v in subs.items():
+        vr = env.var_to_range.get(sym)
+        if vr is not None and not (bool(vr.lower <= v) and bool(v <= vr.upper)):
+            return False
+    return True
+
+
+class _SignatureGuard:
+    """Dispatches a :class:`RewrittenGraphModule`'s calls by input signature."""
+
+    def __init__(self, *, original: fx.GraphModule, delegate: fx.GraphModule | None, config: OptimizeConfig,
+                 selector: Selector | None, report: Report, pattern: _Pattern) -> None:
+        self.original = original      # the graph as written (parameters shared)
+        self.delegate = delegate      # a RewrittenGraphModule that was rewritten again: it dispatches itself
+        self.config = config
+        self.selector = selector
+        self.report = report
+        self.pattern = pattern
+        self.shared = {id(m) for m in original.modules()} - {id(original)}  # the input graph module's modules
+        self.names = {str(n.target) for n in original.graph.nodes if n.op in ("get_attr", "call_module")}
+        self.original_target = _Target(original, self.shared, self.names)
+        self.proven: dict[Any, _Target] = {}
+        self.warned = False
+        params = inspect.signature(original.forward).parameters.values()
+        self.flat = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        self.n_inputs = sum(1 for n in original.graph.nodes if n.op == "placeholder")
+
+    def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        """The call's inputs in placeholder order, or None when they cannot be lined up with them."""
+        if not kwargs and self.flat and len(args) == self.n_inputs:
+            return args
+        try:
+            bound = inspect.signature(self.original.forward).bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        if bound.kwargs or not self.flat or len(bound.args) != self.n_inputs:
+            return None
+        return tuple(bound.args)
+
+    def call(self, gm: RewrittenGraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inputs = self._inputs(args, kwargs)
+        try:
+            key = _key(inputs) if inputs is not None else None
+        except _Unkeyable:
+            key = None
+        if key is not None and self.pattern.matches(key, inputs):
+            return super(RewrittenGraphModule, gm).__call__(*args, **kwargs)
+        if self.delegate is not None:
+            return self.delegate(*args, **kwargs)
+        target = self.proven.get(key) if key is not None else None
+        if target is None:
+            target = self._prove(gm, key, inputs)
+        target.follow(gm)
+        return target.gm(*args, **kwargs)
+
+    def _prove(self, gm: RewrittenGraphModule, key: Any, inputs: tuple[Any, ...] | None) -> _Target:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        provable = (key is not None and inputs is not None and len(self.proven) < _MAX_SIGNATURES
+                    and not any(isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.is_meta)
+                                for x in inputs)
+                    and not torch.compiler.is_compiling())
+        if not provable:
+            if key is not None and len(self.proven) >= _MAX_SIGNATURES and not self.warned:
+                self.warned = True
+                log.warning("attnopt: this rewritten GraphModule has been proven for %d input signatures; "
+                            "calls with other signatures run the graph as written", _MAX_SIGNATURES + 1)
+            return self.original_target
+        self.original_target.follow(gm)
+        work = _plain_copy(self.original)
+        for node in work.graph.nodes:  # shapes from these inputs, not the ones first proven
+            for k in _SHAPE_META:
+                node.meta.pop(k, None)
+        graph_id = self.report.graphs
+        try:
+            with _training_flags_kept(gm), _training_flags_kept(self.original):
+                new, records = run_pipeline(work, inputs, self.config, graph_id, self.selector)
+        except Exception as e:  # noqa: BLE001 - never break the user's model: run it as written
+            msg = f"graph {graph_id}: {type(e).__name__}: {e}"
+            self.report.failures.append(msg)
+            log.warning("attnopt.rewrite: could not prove the graph again for new inputs (%s); "
+                        "they run as written", msg)
+            new, records = self.original, []
+        self.report.graphs += 1
+        self.report.records.extend(records)
+        target = self.original_target if new is self.original else _Target(new, self.shared, self.names)
+        self.proven[key] = target
+        return target
+
+
+def _path(root: nn.Module, target: str) -> tuple[nn.Module, str] | None:
+    *parents, name = target.split(".")
+    mod = root
+    for p in parents:
+        mod = mod._modules.get(p)  # type: ignore[assignment]
+        if mod is None:
+            return None
+    return mod, name
+
+
+def _lookup(root: nn.Module, target: str) -> tuple[str, Any] | None:
+    where = _path(root, target)
+    if where is None:
+        return None
+    mod, name = where
+    for kind in ("_parameters", "_buffers", "_modules"):
+        d = getattr(mod, kind)
+        if name in d:
+            return kind, d[name]
+    if name in mod.__dict__:
+        return "__dict__", mod.__dict__[name]
+    return None
+
+
+class _Target:
+    """A graph module a :class:`RewrittenGraphModule` dispatches to, kept in step with it.
+
+    It shares the input graph module's submodules and tensors; what the rewritten module holds
+    now (a buffer replaced, ``.to()``, a submodule swapped, its training mode) is copied into the
+    target's own namespaces before each call, never into a shared submodule.
+    """
+
+    def __init__(self, gm: fx.GraphModule, shared: set[int], names: set[str]) -> None:
+        self.gm = gm
+        self.owned = {id(m) for m in gm.modules() if id(m) not in shared}
+        self.sites = [m for m in gm.modules() if isinstance(m, AttentionSite)]
+        # Only names the graph as written reads: the rewrite's own site modules are never replaced.
+        self.targets = [t for t in dict.fromkeys(str(n.target) for n in gm.graph.nodes
+                                                 if n.op in ("get_attr", "call_module")) if t in names]
+
+    def follow(self, owner: nn.Module) -> None:
+        if self.gm.training != owner.training:
+            self.gm.training = owner.training
+            for m in self.sites:
+                m.training = owner.training
+        for target in self.targets:
+            mine = _lookup(owner, target)
+            if mine is None:
+                continue
+            where = _path(self.gm, target)
+            if where is None or id(where[0]) not in self.owned:
+                continue
+            theirs = _lookup(self.gm, target)
+            if theirs is not None and theirs[1] is mine[1]:
+                continue
+            mod, name = where
+            for kind in ("_parameters", "_buffers", "_modules"):
+                getattr(mod, kind).pop(name, None)
+            mod.__dict__.pop(name, None)
+            if mine[0] == "__dict__":
+                mod.__dict__[name] = mine[1]
+            else:
+                getattr(mod, mine[0])[name] = mine[1]
 
 
 def explain(model: nn.Module | fx.GraphModule, *args: Any, variant: str = "auto", **kwargs: Any) -> Report:
@@ -175,13 +592,16 @@ def explain(model: nn.Module | fx.GraphModule, *args: Any, variant: str = "auto"
 
     For a model returned by ``optimize`` called without inputs, the report of what it has
     captured so far. Otherwise the model is captured on the inputs (one forward run, no
-    gradients) and the report is returned; nothing about ``model`` changes.
+    gradients) and the report is returned; nothing about ``model`` changes: its parameters and
+    buffers (the same tensor objects, their values and ``requires_grad``), its attributes and
+    training flags, and the random number generators' states are restored after the forward,
+    also when it raises.
     """
     report = getattr(model, _REPORT_ATTR, None)
     if isinstance(report, Report):
         if args or kwargs:
             _check_call(model, args, kwargs)
-            with torch.no_grad():
+            with _model_kept(getattr(model, "_orig_mod", model), args, kwargs), torch.no_grad():
                 model(*args, **kwargs)
         return report
     if isinstance(model, fx.GraphModule) and "attnopt_report" in model.meta:
@@ -192,9 +612,116 @@ def explain(model: nn.Module | fx.GraphModule, *args: Any, variant: str = "auto"
     report = Report()
     config = OptimizeConfig(variant=_variant_from_env(variant))
     backend = functools.partial(attnopt_backend, config=config, report=report)
-    with torch.no_grad():
+    with _model_kept(model, args, kwargs), torch.no_grad():
         torch.compile(model, backend=backend)(*args, **kwargs)
     return report
+
+
+#: Parameters are copied before explain's forward up to this many bytes in all; above it they are
+#: checked by version counter only (a forward that writes a parameter in place is then reported).
+_EXPLAIN_PARAM_COPY_LIMIT = 1 << 28
+
+
+@contextlib.contextmanager
+def _model_kept(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Restore everything a forward of ``model`` can change about it, and the random state.
+
+    Each module's ``__dict__`` (parameters, buffers, submodules, hooks, attributes, training flag)
+    is restored entry by entry, containers in place; every parameter and buffer is the same tensor
+    object afterwards with its value (restored with ``copy_`` only when it changed) and
+    ``requires_grad``; CPU, CUDA and Python random states are forked.
+    """
+    modules = list(model.modules())
+    attrs = [(m, type(m), _shallow(m.__dict__)) for m in modules]
+    tensors: dict[int, tuple[torch.Tensor, torch.Tensor | None, bool, int, Any]] = {}
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in modules:
+        for kind in ("_parameters", "_buffers"):
+            for t in getattr(m, kind).values():
+                if t is None or id(t) in tensors or _is_lazy(t):
+                    continue
+                keep = kind == "_buffers" or param_bytes <= _EXPLAIN_PARAM_COPY_LIMIT
+                saved = t.detach().clone() if keep else None
+                tensors[id(t)] = (t, saved, t.requires_grad, t._version, t.grad)
+    devices = sorted({t.device.index or 0 for t, *_ in tensors.values() if t.is_cuda}
+                     | {x.device.index or 0 for x in [*args, *kwargs.values()]
+                        if isinstance(x, torch.Tensor) and x.is_cuda})
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = sorted(set(devices) | {torch.cuda.current_device()})
+    py_state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        for m, cls, saved_dict in attrs:
+            if type(m) is not cls:
+                m.__class__ = cls  # e.g. a lazy module that became its full class
+            _restore(m.__dict__, saved_dict)
+        lost = []
+        for t, saved, requires_grad, version, grad in tensors.values():
+            with torch.no_grad():
+                if saved is not None:
+                    if t._version != version or not _equal(t, saved):
+                        t.copy_(saved)
+                elif t._version != version:
+                    lost.append(t)
+            if t.requires_grad != requires_grad and t.is_leaf:
+                t.requires_grad_(requires_grad)
+            if t.grad is not grad:
+                t.grad = grad
+        if lost:
+            names = [n for n, p in model.named_parameters() if any(p is x for x in lost)]
+            warnings.warn(f"attnopt.explain: the forward wrote parameter(s) {', '.join(names)} in place; "
+                          f"the model's parameters ({param_bytes} bytes) are above the size explain copies, "
+                          "so their values could not be restored", stacklevel=4)
+
+
+def _is_lazy(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.parameter.UninitializedTensorMixin)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    except RuntimeError:
+        return False
+
+
+def _shallow(d: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``name -> (object, a copy of its items when it is a container)`` for one module's ``__dict__``."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out[k] = (v, list(v.items()))
+        elif isinstance(v, (set, list)):
+            out[k] = (v, list(v))
+        else:
+            out[k] = (v, None)
+    return out
+
+
+def _restore(d: dict[str, Any], saved: dict[str, tuple[Any, Any]]) -> None:
+    for k in [k for k in d if k not in saved]:
+        del d[k]
+    for k, (obj, items) in saved.items():
+        if d.get(k, _MISSING) is not obj:
+            d[k] = obj
+        if items is None:
+            continue
+        now = list(obj.items()) if isinstance(obj, dict) else list(obj)
+        same = len(now) == len(items) and all(
+            (a[0] == b[0] and a[1] is b[1]) if isinstance(obj, dict) else a is b for a, b in zip(now, items))
+        if same:
+            continue
+        if isinstance(obj, list):
+            obj[:] = list(items)
+        else:
+            obj.clear()
+            obj.update(items)  # type: ignore[arg-type]
+
+
+_MISSING = object()
 
 
 def _check_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,345 @@
+"""Exactness of the public API (issue 16, classes 4 and 8).
+
+Class 4: ``rewrite()`` proves a graph on the example inputs' shapes (``symbolic_trace`` graphs get
+their shapes from them), so sizes read by the proof (``k.size(-1) ** -0.5``, ``tril(diagonal=Tk - Tq)``,
+a view's head size) are constants of that proof. The module it returns runs the proven rewrite only
+for inputs with the signature the proof saw and re-proves for others; every call must equal the
+graph as written, outputs and gradients.
+
+Class 8: ``explain(model, *inputs)`` runs a forward; nothing about the model (parameters, buffers,
+their values and ``requires_grad``, training flags) nor the random state may change.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import attnopt
+from attnopt.runtime import AttentionSite
+
+
+def _same(new: nn.Module, ref: nn.Module, *inputs: torch.Tensor, **kw: torch.Tensor) -> None:
+    """``new`` and ``ref`` agree on outputs and on gradients with respect to every input."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    leaves2 = [x.detach().clone().requires_grad_(True) for x in inputs]
+    kw1 = {k: v.detach().clone().requires_grad_(True) for k, v in kw.items()}
+    kw2 = {k: v.detach().clone().requires_grad_(True) for k, v in kw.items()}
+    out, want = new(*leaves, **kw1), ref(*leaves2, **kw2)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    cot = torch.randn_like(want)
+    g = torch.autograd.grad((out * cot).sum(), leaves + list(kw1.values()))
+    g_ref = torch.autograd.grad((want * cot).sum(), leaves2 + list(kw2.values()))
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _randn(*shapes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(*s) for s in shapes)
+
+
+# --------------------------------------------------------------------------------------------
+# Class 4: shapes baked in by rewrite()
+
+
+class ScaleFromSize(nn.Module):
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1) * k.size(-1) ** -0.5
+        return s.softmax(-1) @ v
+
+
+class BottomRight(nn.Module):
+    def forward(self, q, k, v):
+        tq, tk = q.size(-2), k.size(-2)
+        s = q @ k.transpose(-2, -1) / 2.0
+        keep = s.new_ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
+        return s.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+
+class BottomRightOnes(nn.Module):
+    """The same mask built with ``torch.ones`` (export's ``aten.new_ones`` reads the scores)."""
+
+    def forward(self, q, k, v):
+        tq, tk = q.size(-2), k.size(-2)
+        keep = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        return (q @ k.transpose(-2, -1) / 2.0).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+
+class ViewHeads(nn.Module):
+    """Heads split by a view that reads ``x.size(1)`` and ``x.size(2)``; the scale is the head size's."""
+
+    def forward(self, x):
+        b, t, c = x.size(0), x.size(1), x.size(2)
+        h = x.view(b, x.size(1), 2, c // 2).transpose(1, 2)
+        s = h @ h.transpose(-2, -1) * (c // 2) ** -0.5
+        return (s.softmax(-1) @ h).transpose(1, 2).reshape(b, t, c)
+
+
+class ScaleArg(nn.Module):
+    """A non-tensor input: its value is read by the proof as the scale."""
+
+    def forward(self, q, k, v, scale: float):
+        return (q @ k.transpose(-2, -1) * scale).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("model, proven, called", [
+    (ScaleFromSize(), [(1, 2, 4, 16)] * 3, [(1, 2, 4, 32)] * 3),
+    (BottomRight(), [(1, 2, 8, 4)] * 3, [(1, 2, 4, 4), (1, 2, 8, 4), (1, 2, 8, 4)]),  # top-left at Tq == Tk
+    (BottomRight(), [(1, 2, 4, 4), (1, 2, 8, 4), (1, 2, 8, 4)], [(1, 2, 8, 4)] * 3),
+    (BottomRight(), [(1, 2, 4, 4), (1, 2, 8, 4), (1, 2, 8, 4)], [(1, 2, 2, 4), (1, 2, 8, 4), (1, 2, 8, 4)]),
+    (ViewHeads(), [(2, 4, 8)], [(2, 6, 16)]),
+], ids=["scale-from-head-size", "tril-square-then-4x8", "tril-4x8-then-square", "tril-4x8-then-2x8", "view"])
+def test_rewrite_at_other_shapes_equals_the_traced_graph(model, proven, called):
+    gm = fx.symbolic_trace(model)
+    new = attnopt.rewrite(gm, _randn(*proven))
+    assert attnopt.explain(new).rewritten == 1
+    _same(new, gm, *_randn(*called))
+    _same(new, model, *_randn(*called))
+    _same(new, gm, *_randn(*proven))  # and the proven shapes still run right
+
+
+def test_new_signature_is_proven_again_and_cached():
+    gm = fx.symbolic_trace(ScaleFromSize())
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    report = new.meta["attnopt_report"]
+    for _ in range(2):
+        _same(new, gm, *_randn(*[(1, 2, 4, 16)] * 3))  # fresh tensors, same signature: the proven graph
+    assert report.graphs == 1
+    for _ in range(2):
+        _same(new, gm, *_randn(*[(1, 2, 4, 32)] * 3))
+    assert report.graphs == 2 and report.rewritten == 2  # proven once more for D=32, then cached
+    assert attnopt.explain(new) is report
+    assert report.records[1].reason.startswith("scale=0.1767")  # 32 ** -0.5, not 16's
+
+
+def test_non_tensor_input_values_are_part_of_the_signature():
+    gm = fx.symbolic_trace(ScaleArg())
+    q, k, v = _randn(*[(1, 2, 4, 8)] * 3)
+    new = attnopt.rewrite(gm, (q, k, v, 0.5))
+    torch.testing.assert_close(new(q, k, v, 0.5), gm(q, k, v, 0.5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new(q, k, v, 0.25), gm(q, k, v, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new(q, k, v, scale=2.0), gm(q, k, v, 2.0), atol=1e-5, rtol=1e-5)
+
+
+def test_keyword_inputs_at_a_new_shape():
+    gm = fx.symbolic_trace(ScaleFromSize())
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    q, k, v = _randn(*[(1, 2, 4, 32)] * 3)
+    _same(new, gm, q, k=k, v=v)
+
+
+def test_dtype_is_part_of_the_signature():
+    gm = fx.symbolic_trace(ScaleFromSize())
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    q, k, v = (x.double() for x in _randn(*[(1, 2, 4, 16)] * 3))
+    torch.testing.assert_close(new(q, k, v), gm(q, k, v))
+    assert new.meta["attnopt_report"].graphs == 2
+
+
+def test_rewritten_module_keeps_its_graph_module_surface():
+    gm = fx.symbolic_trace(ScaleFromSize())
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    assert isinstance(new, fx.GraphModule)
+    assert "attnopt_site0" in new.code and "attnopt_site0" in str(new)
+    assert [n for n, m in new.named_modules() if isinstance(m, AttentionSite)] == ["attnopt_site0"]
+    new(*_randn(*[(1, 2, 4, 32)] * 3))  # a re-proof registers nothing on the module
+    assert [n for n, m in new.named_modules() if isinstance(m, AttentionSite)] == ["attnopt_site0"]
+    assert list(new.state_dict()) == list(gm.state_dict())
+
+
+def test_deepcopy_keeps_the_signature_guard():
+    gm = fx.symbolic_trace(ScaleFromSize())
+    new = copy.deepcopy(attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3)))
+    _same(new, gm, *_randn(*[(1, 2, 4, 32)] * 3))
+    assert new.meta["attnopt_report"].graphs == 2
+
+
+def test_beyond_the_signature_bound_the_graph_runs_as_written(monkeypatch):
+    import attnopt.api as api
+
+    monkeypatch.setattr(api, "_MAX_SIGNATURES", 1)
+    gm = fx.symbolic_trace(ScaleFromSize())
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    for d in (32, 8, 4, 32):
+        _same(new, gm, *_randn(*[(1, 2, 4, d)] * 3))
+    assert new.meta["attnopt_report"].graphs == 2  # one re-proof kept; the rest ran as written
+
+
+class WithParams(nn.Module):
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(c, 3 * c)
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5 * self.gain
+        return s.softmax(-1) @ v
+
+
+def test_reproven_graph_follows_the_module_state():
+    """Parameters are shared, training flags and replaced buffers followed at a new signature."""
+    model = WithParams()
+    gm = fx.symbolic_trace(model)
+    new = attnopt.rewrite(gm, (torch.randn(2, 4, 8),))
+    assert all(a is b for a, b in zip(new.parameters(), model.parameters()))
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    _same(new, model, x)
+    new.gain = torch.full((), 2.0)  # a buffer replaced on the rewritten module reaches every signature
+    model.gain = torch.full((), 2.0)
+    _same(new, model, torch.randn(2, 4, 8))
+    _same(new, model, torch.randn(2, 6, 8))
+    with torch.no_grad():
+        model.qkv.weight.mul_(0.5)  # shared parameters: a weight update reaches every signature
+    _same(new, model, torch.randn(2, 6, 8))
+    new.train()
+    assert all(m.training for m in new.modules())
+
+
+def test_export_graph_with_a_dynamic_length_is_not_proven_again():
+    from torch.export import Dim
+
+    model = BottomRightOnes()
+    q, k, v = _randn(*[(1, 2, 8, 4)] * 3)
+    tq, tk = Dim("tq", min=2, max=32), Dim("tk", min=2, max=32)
+    gm = torch.export.export(model, (q, k, v), dynamic_shapes=({2: tq}, {2: tk}, {2: tk})).module()
+    new = attnopt.rewrite(gm)
+    assert attnopt.explain(new).records[0].spec.causal == "bottom_right"
+    for t in (8, 4, 2):
+        _same(new, model, *_randn((1, 2, t, 4), (1, 2, 8, 4), (1, 2, 8, 4)))
+    assert new.meta["attnopt_report"].graphs == 1  # the proof was symbolic: one graph serves every length
+    with pytest.raises(Exception, match="Guard failed|Expected input"):  # export's own input check, as written
+        new(*_randn((1, 2, 4, 8), (1, 2, 8, 8), (1, 2, 8, 8)))
+
+
+def test_export_graph_with_static_shapes_runs_its_own_input_check_at_other_shapes():
+    model = ScaleFromSize()
+    ex = _randn(*[(1, 2, 4, 16)] * 3)
+    gm = torch.export.export(model, ex).module()
+    new = attnopt.rewrite(gm)
+    _same(new, model, *_randn(*[(1, 2, 4, 16)] * 3))
+    with pytest.raises(Exception, match="Guard failed|Expected input"):
+        new(*_randn(*[(1, 2, 4, 32)] * 3))
+
+
+# --------------------------------------------------------------------------------------------
+# Class 8: explain(model, *inputs) changes nothing about the model
+
+
+class NormedAttention(nn.Module):
+    def __init__(self, c: int = 8, p: float = 0.0):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.drop = nn.Dropout(p)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.frozen = nn.Linear(c, c)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        self.calls.add_(1)
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        s = q @ k.transpose(-2, -1) * q.size(-1) ** -0.5
+        return self.frozen(self.drop(s.softmax(-1)) @ v)
+
+
+def _state(model: nn.Module) -> dict:
+    return {
+        "tensors": {n: (t, t.detach().clone(), t.requires_grad) for n, t in
+                    [*model.named_parameters(), *model.named_buffers()]},
+        "training": {n: m.training for n, m in model.named_modules()},
+    }
+
+
+def _assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert set(after) == set(before["tensors"])
+    for name, (obj, value, rg) in before["tensors"].items():
+        assert after[name] is obj, f"{name} is another tensor object"
+        assert torch.equal(after[name], value), f"{name} changed"
+        assert after[name].requires_grad == rg
+    assert {n: m.training for n, m in model.named_modules()} == before["training"]
+
+
+def test_explain_leaves_batchnorm_stats_and_in_place_buffers_alone():
+    model = NormedAttention().train()
+    model.frozen.eval()  # a submodule in another mode than its parent stays so
+    before = _state(model)
+    report = attnopt.explain(model, torch.randn(2, 6, 8))
+    assert report.rewritten == 1
+    _assert_unchanged(model, before)
+    assert model.norm.num_batches_tracked.item() == 0 and model.calls.item() == 0
+
+
+def test_explain_leaves_the_random_stream_alone():
+    model = NormedAttention(p=0.5).train()
+    x = torch.randn(2, 6, 8)
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    attnopt.explain(model, x)
+    torch.testing.assert_close(torch.rand(4), want, rtol=0, atol=0)
+
+
+def test_explain_of_an_optimized_model_leaves_it_alone():
+    model = NormedAttention(p=0.5).train()
+    opt = attnopt.optimize(model)
+    opt(torch.randn(2, 6, 8))
+    before = _state(model)
+    x = torch.randn(2, 6, 8)
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    report = attnopt.explain(opt, x)
+    torch.testing.assert_close(torch.rand(4), want, rtol=0, atol=0)
+    assert report.rewritten >= 1
+    _assert_unchanged(model, before)
+
+
+class Counter(nn.Module):
+    """Writes state several ways: a buffer reassigned, a Python counter, and raises on request."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+        self.steps = 0
+
+    def forward(self, q, k, v, fail: bool = False):
+        self.total = self.total + q.sum()
+        self.steps += 1
+        out = (q @ k.transpose(-2, -1)).softmax(-1) @ v
+        if fail:
+            raise ValueError("forward failed on purpose")
+        return out
+
+
+def test_explain_restores_reassigned_buffers_and_attributes_even_when_forward_raises():
+    model = Counter()
+    buf = model.total
+    qkv = _randn(*[(1, 2, 4, 8)] * 3)
+    attnopt.explain(model, *qkv)
+    assert model.total is buf and torch.equal(buf, torch.zeros(3)) and model.steps == 0
+    with pytest.raises(ValueError, match="on purpose"):
+        attnopt.explain(model, *qkv, fail=True)
+    assert model.total is buf and torch.equal(buf, torch.zeros(3)) and model.steps == 0
+    assert dict(model.named_buffers()) == {"total": buf}
+
+
+def test_explain_still_runs_the_model_with_the_inputs_given():
+    model = NormedAttention().eval()
+    report = attnopt.explain(model, torch.randn(2, 6, 8))
+    assert report.rewritten == 1 and "qkv" not in report.records[0].reason
+
+
+def test_rewrite_leaves_submodule_training_flags_alone():
+    model = WithParams().train()
+    model.qkv.eval()
+    gm = fx.symbolic_trace(model)
+    attnopt.rewrite(gm, (torch.randn(2, 4, 8),))
+    assert gm.training and not gm.qkv.training
+
