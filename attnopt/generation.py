@@ -29,6 +29,11 @@ How the cached model is built, and why it computes the same function:
    :class:`~attnopt.passes.positions.PositionError` names the op and its source line.
 5. **Shift positions**: the graph takes ``(tokens, offset)``; ``arange(T)`` becomes
    ``arange(offset, offset + t)`` and ``table[:T]`` becomes ``table[offset:offset + t]``.
+6. **Pin what the proofs read**: every ``prefill``/``step`` first checks that the model's tensors the
+   graph reads are the same objects, and that the buffers a causal proof read (nanoGPT's ``tril``) still
+   hold the proven pattern (object identity and version counter; the pattern read again when the
+   version moved). Otherwise it raises :class:`ModelChangedError` naming the tensor: in-place weight
+   updates reach the cache, a replaced tensor or a mask that is no longer causal does not.
 
 Each site writes its new K and V into a cache preallocated to ``max_len`` positions (K and V are
 computed per position, so the cached rows equal the full recompute's) and attends over
@@ -309,8 +314,8 @@ class _Watch:
                 if not is_band(now, cuts, values):
                     raise ModelChangedError(
                         f"`{p.path}` of {name} changed after attnopt.cached(model) and no longer holds the causal "
-                        f"pattern the proof of {site} read, so the model as written no longer computes what the "
-                        f"cache does (it attends by the new values); {again}")
+                        f"pattern the proof of {site} read, so the cache, which attends causally there, no longer "
+                        f"computes what the model as written does with the new values; {again}")
             for c in p.checks:
                 c.checked.clear()  # evaluated again, on the new values
                 c.changed = p.path
@@ -454,7 +459,9 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
             prefill and step; not with ``variant="auto"`` (the choice must be made before tracing).
 
     Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
-    ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not.
+    ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not. ``prefill``
+    and ``step`` raise :class:`ModelChangedError` once a tensor of ``model`` the cached graph reads was
+    replaced by another object, or a buffer a causal proof read lost the proven pattern.
 
     Raises:
         PositionError: the model is not provably cacheable; the message names the op and line.
@@ -800,6 +807,8 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
 
     Raises:
         PositionError: the model cannot be cached exactly (the message names the op and line).
+        ModelChangedError: ``model`` is a :class:`CachedLM` whose model changed since it was built (see
+            :func:`cached`).
         ValueError: bad arguments, or the prompt plus new tokens exceed ``max_len``.
     """
     _check_tokens(idx, "idx")

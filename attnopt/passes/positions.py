@@ -10,7 +10,8 @@ could make position ``i`` of the output depend on other positions, or on ``T`` i
 
 Every node gets one :class:`Kind`, a forward dataflow in graph order:
 
-* ``const``: parameters, buffers and what is computed from them alone;
+* ``const``: parameters, buffers and what is computed from them alone, with no time axis (a constant
+  expanded to ``T`` rows is a ``position`` value: its sum over time is ``T`` times the row);
 * ``position``: values that depend on positions only (``arange(T)``, ``wpe(arange(T))``,
   rotary tables ``cos[:T]``, run-time causal masks), never on tokens;
 * ``token``: values that depend on the tokens; each has exactly one *time axis* (the dim whose
@@ -21,9 +22,11 @@ Time axes are read from the symbolic shapes in ``node.meta["val"]``, never from 
 rules (a table, :data:`_RULES`) accept an op only when it acts on each time slice separately:
 pointwise ops (``torch.Tag.pointwise``) whose broadcast keeps time axes aligned, layout ops,
 reshapes that keep the sizes before the time axis, products and norms that contract or reduce
-other axes, ``embedding``/``index`` by position or token indices, splits and reductions over
-other axes. The site nodes are the only sequence mixers allowed: q, k and v carry their time
-axis at dim -2. Unknown ops on const values are fine (they cannot depend on positions);
+other axes, ``embedding``/``index``/``index_select`` by position or token indices (the result takes
+the index's kind and time axis, so a bag of all tokens reduced over time is refused), splits and
+reductions over other axes. A rule that returns a weaker kind than one of the operands it reads
+(an index it does not follow) is refused. The site nodes are the only sequence mixers allowed:
+q, k and v carry their time axis at dim -2. Unknown ops on const values are fine (they cannot depend on positions);
 unknown ops on anything else are refused, so a missing rule costs a refusal, never a wrong
 cache. Example::
 
