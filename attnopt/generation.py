@@ -214,7 +214,7 @@ class ModelChangedError(RuntimeError):
     A tensor the cached graph computes with was replaced by another object (assigned, deleted and
     registered again, ``load_state_dict(..., assign=True)``), or a buffer a causal proof read (nanoGPT's
     ``tril`` mask) no longer holds the proven pattern. The message names the tensor; build the cached
-    model again with ``attnopt.cached(model)`` (which refuses a model that is no longer causal).
+    model again with ``attnopt.generation.cached(model)`` (which refuses a model that is no longer causal).
     """
 
 
@@ -297,7 +297,7 @@ class _Watch:
 
     def _recheck(self) -> None:
         name = type(self.model).__name__
-        again = "call attnopt.cached(model) again to build the cached model from the model as it is now"
+        again = "call attnopt.generation.cached(model) again to build the cached model from the model as it is now"
         for p in self.pins:
             where, _ = _resolve(self.model, p.path)
             now = where[p.path.rsplit(".", 1)[-1]] if where is not None else None
@@ -305,17 +305,17 @@ class _Watch:
                 what = "was deleted" if now is None else "was replaced by another object"
                 if p.read or not isinstance(now, torch.Tensor):
                     raise ModelChangedError(
-                        f"`{p.path}` of {name} {what} after attnopt.cached(model) (assigned, registered again or "
-                        f"loaded with assign=True); the cached model computes with the old tensor: {again}")
+                        f"`{p.path}` of {name} {what} after attnopt.generation.cached(model) (assigned, registered "
+                        f"again or loaded with assign=True); the cached model computes with the old tensor: {again}")
                 p.tensor = now  # a proof-only buffer: the pattern decides below
             elif now._version == p.version and now.data_ptr() == p.ptr:
                 continue
             for cuts, values, site in p.patterns:
                 if not is_band(now, cuts, values):
                     raise ModelChangedError(
-                        f"`{p.path}` of {name} changed after attnopt.cached(model) and no longer holds the causal "
-                        f"pattern the proof of {site} read, so the cache, which attends causally there, no longer "
-                        f"computes what the model as written does with the new values; {again}")
+                        f"`{p.path}` of {name} changed after attnopt.generation.cached(model) and no longer holds "
+                        f"the causal pattern the proof of {site} read, so the cache, which attends causally there, "
+                        f"no longer computes what the model as written does with the new values; {again}")
             for c in p.checks:
                 c.checked.clear()  # evaluated again, on the new values
                 c.changed = p.path
@@ -402,9 +402,10 @@ class CachedLM:
                                     f"sequence(s) of {length} tokens: {type(e).__name__}: {e}") from e
             if not ok and c.changed is not None:
                 raise ModelChangedError(
-                    f"`{c.changed}` of {self.name} changed after attnopt.cached(model), and the mask of {c.site_name} "
-                    f"({c.where}) it builds is no longer causal for {batch} sequence(s) of {length} tokens; call "
-                    "attnopt.cached(model) again to build the cached model from the model as it is now")
+                    f"`{c.changed}` of {self.name} changed after attnopt.generation.cached(model), and the mask of "
+                    f"{c.site_name} ({c.where}) it builds is no longer causal for {batch} sequence(s) of {length} "
+                    "tokens; call attnopt.generation.cached(model) again to build the cached model from the model "
+                    "as it is now")
             if not ok:
                 raise PositionError(f"the mask of {c.site_name} ({c.where}) is not causal for {batch} sequence(s) "
                                     f"of {length} tokens, so the cache would not compute what the model does")
