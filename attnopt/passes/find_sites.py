@@ -459,12 +459,13 @@ def _check_casts(softmax: fx.Node, softmax_dtype: Any, pre: list[fx.Node], post:
     """Only value-preserving conversions are read as transparent.
 
     Between the product and the softmax (``pre``, and the softmax's own ``dtype=``) a conversion
-    must hold every value of the compute dtype (q's): the same dtype or a wider float (``s.float()``
-    on bfloat16 scores). On the probabilities (``post``) a float conversion may also go to v's
-    dtype, the ``softmax(s.float()).to(q.dtype) @ v`` pattern: the site computes in the compute
-    dtype and returns the original's output dtype. Conversions to integers or bool (fake
-    quantisation, hard attention) and narrowing ones (fp32 logits rounded to bfloat16, or to
-    float16 where values above 65504 overflow) change values, so the site is left as written.
+    must hold every value of its source or of the compute dtype (q's): the same dtype or a wider
+    float (``s.float()`` on bfloat16 scores), or back to the compute dtype. On the probabilities
+    (``post``) a float conversion may also go to v's dtype, the ``softmax(s.float()).to(q.dtype) @ v``
+    pattern: the site computes in the compute dtype and returns the original's output dtype.
+    Conversions to integers or bool (fake quantisation, hard attention) and narrowing ones (fp32
+    logits rounded to bfloat16, or to float16 where values above 65504 overflow) change values,
+    so the site is left as written.
     """
     if compute is None:
         return  # q's dtype is unknown: refused below ("q and k have dtypes ...")
@@ -483,8 +484,8 @@ def _check_casts(softmax: fx.Node, softmax_dtype: Any, pre: list[fx.Node], post:
             raise NearMiss(f"the {what} are converted to {dst} by {spelling}{_at(node)} (a lossy conversion: "
                            f"{'from ' + str(src) if not src.is_floating_point else kind + ' values'}, "
                            "not the values as computed)")
-        if holds_exactly(dst, compute) or (what == "probabilities" and dst == v_dtype):
-            continue
+        if holds_exactly(dst, src) or holds_exactly(dst, compute) or (what == "probabilities" and dst == v_dtype):
+            continue  # every value kept (widening, or back to at least the compute dtype), or the HF pattern
         raise NearMiss(f"the {what} are converted to {dst} by {spelling}{_at(node)} (a lossy conversion: "
                        f"{dst} does not hold every {compute} value; {_INTERNAL_DTYPE_NOTE.format(compute=compute)})")
 
@@ -556,16 +557,22 @@ def _check_no_write_before_site(gm: fx.GraphModule, m: Match) -> None:
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     end = order[m.output]
-    feeds: set[fx.Node] = set()  # everything P @ V is computed from
-    pending = [m.output]
+    inputs = _site_inputs(m)
+    # The site's own computation: its nodes and what they are computed from, back to q, k, v (behind
+    # transposes and repeat_kv), scale tensors and the mask's leaves. An input's first read is its first
+    # use there, not a use by another layer that shares it (a mask built once for every layer).
+    stop = {x for x, role in inputs if role not in ("the added mask", "the mask condition")}
+    region: set[fx.Node] = set()
+    pending = [*m.internal, m.output]
     while pending:
         n = pending.pop()
-        if n in feeds:
+        if n in region:
             continue
-        feeds.add(n)
-        pending.extend(n.all_input_nodes)
-    for x, role in _site_inputs(m):
-        reads = [order[u] for u in x.users if u in feeds and _reads_values(u)]
+        region.add(n)
+        if n not in stop:
+            pending.extend(n.all_input_nodes)
+    for x, role in inputs:
+        reads = [order[u] for u in x.users if u in region and _reads_values(u)]
         if not reads:
             continue
         first = min(reads)
