@@ -124,7 +124,7 @@ class KVCacheAttention(nn.Module):
         kwargs = dict(attn_mask=mask, dropout_p=0.0, is_causal=t > 1 and t == end,
                       scale=self.spec.scale if scale is None else float(scale), enable_gqa=self.spec.gqa)
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            out = get_candidate(self.chooser._choice(q, keys, values, kwargs))(q, keys, values, **kwargs)
+            out = self.chooser._call(q, keys, values, kwargs)  # chosen, checked per shape key, with fallbacks
         if lead:
             out = out.reshape(out.shape[lead:])
         if self.spec.out_dtype is not None and out.dtype != self.spec.out_dtype:
