@@ -299,6 +299,12 @@ class _Pattern:
         self.specs: list[Any] | None = None  # symbolic: per input ("tensor", dims, dtype, device) or ("sym", expr)
         self.env: Any = None
         self._env_state: Any = None
+        self.bound: set[Any] = set()  # keys already found to bind the symbols (bounded)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Pattern:
+        new = copy.copy(self)  # the shape environment and its expressions are shared, not copied
+        new.bound = set(self.bound)
+        return new
 
     @classmethod
     def before_proof(cls, gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> _Pattern:
@@ -333,10 +339,15 @@ class _Pattern:
             return True
         if self.specs is None or inputs is None or len(inputs) != len(self.specs):
             return False
+        if key in self.bound:
+            return True
         try:
-            return _binds(self.specs, inputs, self.env)
+            ok = _binds(self.specs, inputs, self.env)
         except Exception:  # noqa: BLE001 - anything unexpected: not proven for these inputs
             return False
+        if ok and len(self.bound) < 256:
+            self.bound.add(key)
+        return ok
 
 
 def _env_state(env: Any) -> Any:
@@ -457,6 +468,22 @@ class _SignatureGuard:
         params = inspect.signature(original.forward).parameters.values()
         self.flat = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
         self.n_inputs = sum(1 for n in original.graph.nodes if n.op == "placeholder")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SignatureGuard:
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.original = copy.deepcopy(self.original, memo)
+        new.delegate = copy.deepcopy(self.delegate, memo)
+        new.selector = copy.deepcopy(self.selector, memo)
+        new.report = copy.deepcopy(self.report, memo)
+        new.pattern = copy.deepcopy(self.pattern, memo)
+        new.shared = {id(m) for m in new.original.modules()} - {id(new.original)}  # ids of the copies
+        new.original_target = _Target(new.original, new.shared, self.names)
+        new.proven = {}
+        for key, target in self.proven.items():
+            gm = copy.deepcopy(target.gm, memo)
+            new.proven[key] = new.original_target if gm is new.original else _Target(gm, new.shared, self.names)
+        return new
 
     def _inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         """The call's inputs in placeholder order, or None when they cannot be lined up with them."""

@@ -95,7 +95,7 @@ class ScaleArg(nn.Module):
 ], ids=["scale-from-head-size", "tril-square-then-4x8", "tril-4x8-then-square", "tril-4x8-then-2x8", "view"])
 def test_rewrite_at_other_shapes_equals_the_traced_graph(model, proven, called):
     gm = fx.symbolic_trace(model)
-    new = attnopt.rewrite(gm, _randn(*proven))
+    new = attnopt.rewrite(gm, _randn(*proven), variant="sdpa")
     assert attnopt.explain(new).rewritten == 1
     _same(new, gm, *_randn(*called))
     _same(new, model, *_randn(*called))
@@ -104,7 +104,7 @@ def test_rewrite_at_other_shapes_equals_the_traced_graph(model, proven, called):
 
 def test_new_signature_is_proven_again_and_cached():
     gm = fx.symbolic_trace(ScaleFromSize())
-    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))  # "auto": each signature tunes with the same selector
     report = new.meta["attnopt_report"]
     for _ in range(2):
         _same(new, gm, *_randn(*[(1, 2, 4, 16)] * 3))  # fresh tensors, same signature: the proven graph
@@ -119,7 +119,7 @@ def test_new_signature_is_proven_again_and_cached():
 def test_non_tensor_input_values_are_part_of_the_signature():
     gm = fx.symbolic_trace(ScaleArg())
     q, k, v = _randn(*[(1, 2, 4, 8)] * 3)
-    new = attnopt.rewrite(gm, (q, k, v, 0.5))
+    new = attnopt.rewrite(gm, (q, k, v, 0.5), variant="sdpa")
     torch.testing.assert_close(new(q, k, v, 0.5), gm(q, k, v, 0.5), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new(q, k, v, 0.25), gm(q, k, v, 0.25), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new(q, k, v, scale=2.0), gm(q, k, v, 2.0), atol=1e-5, rtol=1e-5)
@@ -127,14 +127,14 @@ def test_non_tensor_input_values_are_part_of_the_signature():
 
 def test_keyword_inputs_at_a_new_shape():
     gm = fx.symbolic_trace(ScaleFromSize())
-    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3), variant="sdpa")
     q, k, v = _randn(*[(1, 2, 4, 32)] * 3)
     _same(new, gm, q, k=k, v=v)
 
 
 def test_dtype_is_part_of_the_signature():
     gm = fx.symbolic_trace(ScaleFromSize())
-    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3), variant="sdpa")
     q, k, v = (x.double() for x in _randn(*[(1, 2, 4, 16)] * 3))
     torch.testing.assert_close(new(q, k, v), gm(q, k, v))
     assert new.meta["attnopt_report"].graphs == 2
@@ -142,7 +142,7 @@ def test_dtype_is_part_of_the_signature():
 
 def test_rewritten_module_keeps_its_graph_module_surface():
     gm = fx.symbolic_trace(ScaleFromSize())
-    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3), variant="sdpa")
     assert isinstance(new, fx.GraphModule)
     assert "attnopt_site0" in new.code and "attnopt_site0" in str(new)
     assert [n for n, m in new.named_modules() if isinstance(m, AttentionSite)] == ["attnopt_site0"]
@@ -152,10 +152,20 @@ def test_rewritten_module_keeps_its_graph_module_surface():
 
 
 def test_deepcopy_keeps_the_signature_guard():
-    gm = fx.symbolic_trace(ScaleFromSize())
-    new = copy.deepcopy(attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3)))
-    _same(new, gm, *_randn(*[(1, 2, 4, 32)] * 3))
-    assert new.meta["attnopt_report"].graphs == 2
+    model = WithParams()
+    gm = fx.symbolic_trace(model)
+    first = attnopt.rewrite(gm, (torch.randn(2, 4, 8),), variant="sdpa")
+    first(torch.randn(2, 5, 8))  # one more signature proven before the copy
+    new = copy.deepcopy(first)
+    assert new.meta["attnopt_report"] is not first.meta["attnopt_report"]
+    for t in (5, 6):
+        _same(new, model, torch.randn(2, t, 8))
+    assert new.meta["attnopt_report"].graphs == 3 and first.meta["attnopt_report"].graphs == 2
+    new.qkv = nn.Linear(8, 24)  # a submodule swapped on the copy reaches its other signatures, not the model
+    ref = copy.deepcopy(model)
+    ref.qkv = new.qkv
+    _same(new, ref, torch.randn(2, 6, 8))
+    assert model.qkv is gm.qkv is first.qkv and model.qkv is not new.qkv
 
 
 def test_beyond_the_signature_bound_the_graph_runs_as_written(monkeypatch):
@@ -163,7 +173,7 @@ def test_beyond_the_signature_bound_the_graph_runs_as_written(monkeypatch):
 
     monkeypatch.setattr(api, "_MAX_SIGNATURES", 1)
     gm = fx.symbolic_trace(ScaleFromSize())
-    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3))
+    new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3), variant="sdpa")
     for d in (32, 8, 4, 32):
         _same(new, gm, *_randn(*[(1, 2, 4, d)] * 3))
     assert new.meta["attnopt_report"].graphs == 2  # one re-proof kept; the rest ran as written
@@ -185,7 +195,7 @@ def test_reproven_graph_follows_the_module_state():
     """Parameters are shared, training flags and replaced buffers followed at a new signature."""
     model = WithParams()
     gm = fx.symbolic_trace(model)
-    new = attnopt.rewrite(gm, (torch.randn(2, 4, 8),))
+    new = attnopt.rewrite(gm, (torch.randn(2, 4, 8),), variant="sdpa")
     assert all(a is b for a, b in zip(new.parameters(), model.parameters()))
     x = torch.randn(2, 6, 8, requires_grad=True)
     _same(new, model, x)
@@ -207,7 +217,7 @@ def test_export_graph_with_a_dynamic_length_is_not_proven_again():
     q, k, v = _randn(*[(1, 2, 8, 4)] * 3)
     tq, tk = Dim("tq", min=2, max=32), Dim("tk", min=2, max=32)
     gm = torch.export.export(model, (q, k, v), dynamic_shapes=({2: tq}, {2: tk}, {2: tk})).module()
-    new = attnopt.rewrite(gm)
+    new = attnopt.rewrite(gm, variant="sdpa")
     assert attnopt.explain(new).records[0].spec.causal == "bottom_right"
     for t in (8, 4, 2):
         _same(new, model, *_randn((1, 2, t, 4), (1, 2, 8, 4), (1, 2, 8, 4)))
@@ -216,11 +226,38 @@ def test_export_graph_with_a_dynamic_length_is_not_proven_again():
         new(*_randn((1, 2, 4, 8), (1, 2, 8, 8), (1, 2, 8, 8)))
 
 
+def test_a_proof_that_reads_a_concrete_size_of_a_symbolic_graph_is_kept_to_that_size(monkeypatch):
+    """A proof that specialises a symbol (a guard added to the shape environment) holds at that size only."""
+    from torch.export import Dim
+
+    import attnopt.pipeline as pipeline
+
+    real = pipeline.find_sites
+
+    def specialising(gm, concrete):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+                int(node.meta["val"].shape[2])  # reads the length as a number: a guard on the symbol
+        return real(gm, concrete)
+
+    monkeypatch.setattr(pipeline, "find_sites", specialising)
+    model = BottomRightOnes()
+    tq, tk = Dim("tq", min=2, max=32), Dim("tk", min=2, max=32)
+    ex = _randn(*[(1, 2, 8, 4)] * 3)
+    gm = torch.export.export(model, ex, dynamic_shapes=({2: tq}, {2: tk}, {2: tk})).module()
+    new = attnopt.rewrite(gm, variant="sdpa")
+    monkeypatch.setattr(pipeline, "find_sites", real)
+    _same(new, model, *_randn(*[(1, 2, 8, 4)] * 3))
+    assert new.meta["attnopt_report"].graphs == 1
+    _same(new, model, *_randn((1, 2, 4, 4), (1, 2, 8, 4), (1, 2, 8, 4)))
+    assert new.meta["attnopt_report"].graphs == 2  # proven again for Tq=4
+
+
 def test_export_graph_with_static_shapes_runs_its_own_input_check_at_other_shapes():
     model = ScaleFromSize()
     ex = _randn(*[(1, 2, 4, 16)] * 3)
     gm = torch.export.export(model, ex).module()
-    new = attnopt.rewrite(gm)
+    new = attnopt.rewrite(gm, variant="sdpa")
     _same(new, model, *_randn(*[(1, 2, 4, 16)] * 3))
     with pytest.raises(Exception, match="Guard failed|Expected input"):
         new(*_randn(*[(1, 2, 4, 32)] * 3))
@@ -340,6 +377,6 @@ def test_rewrite_leaves_submodule_training_flags_alone():
     model = WithParams().train()
     model.qkv.eval()
     gm = fx.symbolic_trace(model)
-    attnopt.rewrite(gm, (torch.randn(2, 4, 8),))
+    attnopt.rewrite(gm, (torch.randn(2, 4, 8),), variant="sdpa")
     assert gm.training and not gm.qkv.training
 
