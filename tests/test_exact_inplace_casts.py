@@ -361,11 +361,19 @@ class ProbsNarrowed(nn.Module):
         return (q @ kt(k) * C).softmax(-1).bfloat16().float() @ v
 
 
+class WiderValues(nn.Module):
+    """fp32 scores, float64 values: ``P @ V`` runs in float64 as written; the kernel would round v to fp32."""
+
+    def forward(self, q, k, v):
+        return (q @ kt(k) * C).softmax(-1).double() @ v.double()
+
+
 LOSSY = {
     FakeQuantLogits: ("scores", "torch.int8"), HardAttention: ("probabilities", "torch.bool"),
     HardAttentionThreshold: ("probabilities", "torch.int64"), Bf16RoundTrip: ("scores", "torch.bfloat16"),
     Bf16Softmax: ("scores", "torch.bfloat16"), HalfOverflow: ("scores", "torch.float16"),
     SoftmaxDtypeNarrows: ("scores", "torch.bfloat16"), ProbsNarrowed: ("probabilities", "torch.bfloat16"),
+    WiderValues: (None, "torch.float64"),
 }
 
 
@@ -373,7 +381,8 @@ LOSSY = {
 def test_lossy_conversion_is_left_alone_with_the_cast_named(cls) -> None:
     what, dtype = LOSSY[cls]
     report = run_optimize(cls(), list(qkv()), atol=0, rtol=0)
-    assert_left_alone(report, f"the {what} are converted to {dtype}", "a lossy conversion")
+    assert_left_alone(report, f"the {what} are converted to {dtype}" if what else f"v has dtype {dtype}",
+                      "a lossy conversion")
 
 
 @pytest.mark.parametrize("cls", list(LOSSY), ids=lambda c: c.__name__)
@@ -484,17 +493,17 @@ def test_mask_interpreter_applies_the_conversion(name: str) -> None:
     assert report.records[0].spec.causal == causal, report.records[0].reason
 
 
-def test_mask_interpreter_applies_the_conversion_on_a_symbolic_trace_graph() -> None:
-    class Traced(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("bias", 0.5 * _tril())
+class TracedCast(nn.Module):
+    """The band arrives as an argument (symbolic_trace folds ops on a buffer into a constant)."""
 
-        def forward(self, q, k, v):
-            return (q @ kt(k) * C).masked_fill(self.bias.to(torch.int64) == 0, NEG).softmax(-1) @ v
+    def forward(self, q, k, v, band):
+        return (q @ kt(k) * C).masked_fill(band.to(torch.int64) == 0, NEG).softmax(-1) @ v
 
-    report = run_rewrite(Traced(), list(qkv()))
-    assert report.rewritten == 1 and report.records[0].spec.causal is None, str(report)
+
+@pytest.mark.parametrize("scale,causal", [(0.5, None), (1.0, "top_left")])
+def test_mask_interpreter_applies_the_conversion_on_a_symbolic_trace_graph(scale: float, causal) -> None:
+    report = run_rewrite(TracedCast(), [*qkv(), scale * _tril()])
+    assert report.rewritten == 1 and report.records[0].spec.causal == causal, str(report)
 
 
 # ============================================================================ more spellings and graphs

@@ -469,6 +469,9 @@ def _check_casts(softmax: fx.Node, softmax_dtype: Any, pre: list[fx.Node], post:
     """
     if compute is None:
         return  # q's dtype is unknown: refused below ("q and k have dtypes ...")
+    if v_dtype is not None and v_dtype.is_floating_point and not holds_exactly(compute, v_dtype):
+        raise NearMiss(f"v has dtype {v_dtype} but q {compute}: the fused kernel computes in {compute} and would "
+                       f"round v (a lossy conversion)")
     steps: list[tuple[str, fx.Node, torch.dtype | None, torch.dtype | None, str]] = [
         ("scores", n, dtype_of(n.args[0]), dtype_of(n), read(n).spelling if read(n) else str(n.target))  # type: ignore
         for n in pre]
