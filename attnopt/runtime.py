@@ -140,11 +140,13 @@ class BufferGuard:
     for nanoGPT's ``tril(ones)``, a band for a sliding window. The cheap check is the tensor's
     *identity* (a weak reference to the object the pattern was last seen on) and its version
     counter (bumped by every in-place write). Addresses are not trusted: a fresh tensor always
-    has version 0 and the allocator reuses freed memory. Any other object (a mask passed as a
-    forward argument and rebuilt per call, a buffer deleted and registered again, a deep copy)
-    or a moved version is checked again on its values (a few passes over it); if the pattern
-    no longer holds, the site passes the mask tensor instead of ``is_causal``. With ``strict``
-    (or ``ATTNOPT_STRICT=1``) the values are checked on every call.
+    has version 0 and the allocator reuses freed memory. Any other object (a buffer deleted and
+    registered again, a deep copy) or a moved version is checked again on its values (a few
+    passes over it); if the pattern no longer holds, the site passes the mask tensor instead of
+    ``is_causal``. With ``strict`` the values are checked on every call: always for a tensor that
+    is a call input (a mask passed to ``forward``, which the caller may refill through numpy or
+    DLPack without a version bump), for inference tensors (no version counter), and for every
+    tensor with ``ATTNOPT_STRICT=1``.
     """
 
     cuts: tuple[Any, ...]
@@ -162,11 +164,14 @@ class BufferGuard:
         return g
 
     def _pin(self, t: torch.Tensor) -> None:
+        if t.is_inference():  # inference tensors have no version counter: checked on every call
+            self._ref = None
+            return
         self._ref, self.version = weakref.ref(t), t._version
 
     def pinned_to(self, t: torch.Tensor) -> bool:
         """``t`` is the very object last checked, unchanged since (by its version counter)."""
-        return self._ref is not None and self._ref() is t and t._version == self.version
+        return self._ref is not None and not t.is_inference() and self._ref() is t and t._version == self.version
 
     def holds(self, t: torch.Tensor) -> bool:
         if t.requires_grad:
@@ -264,20 +269,19 @@ class AttentionSite(nn.Module):
         if spec.min_rows != "none" and not use_causal and mask is not None and mask.is_floating_point():
             row_max = mask.amax(-1, keepdim=True)
             min_rows = row_max <= torch.finfo(mask.dtype).min / 2  # every key holds the dtype's minimum
-            if not tracing:
-                # Rows whose keys are all hidden by a large fill: computed as written when their
-                # gradients or a dropout draw matter (see the module docstring).
-                grad = _needs_grad(q, k, v, mask)
-                if spec.min_rows == "mean":
-                    as_written = dropout_active and bool(min_rows.any())
-                else:
-                    as_written = bool(min_rows.any()) or (
-                        (grad or dropout_active) and bool((row_max <= -SATURATED).any()))
+            # Rows whose keys are all hidden by a large fill: computed as written when their
+            # gradients or a dropout draw matter (see the module docstring). Inside a compiled
+            # graph the mask's values are unknown, so there it is decided for every call alike.
+            grad = _needs_grad(q, k, v, mask)
+            if spec.min_rows == "mean":
+                as_written = dropout_active and (tracing or bool(min_rows.any()))
+            elif tracing:
+                as_written = grad or dropout_active
+            else:
+                as_written = (grad or dropout_active) and bool((row_max <= -SATURATED).any())
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
             if as_written:
                 out = self._as_written(q, k, v, kwargs)
-            elif spec.min_rows == "math" and tracing and min_rows is not None and bool(min_rows.any()):
-                out = get_candidate("math")(q, k, v, **kwargs)
             else:
                 out = self._call(q, k, v, kwargs)
         if spec.min_rows == "mean" and min_rows is not None and not as_written:

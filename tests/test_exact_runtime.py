@@ -62,6 +62,32 @@ def test_a_mask_argument_proven_causal_once_is_checked_again_on_every_call(varia
             del keep
 
 
+@pytest.mark.parametrize("variant", ["auto", "sdpa"])
+def test_a_mask_argument_refilled_through_numpy_is_checked_again(variant: str) -> None:
+    """The same object, written without a version bump: a proof about a call input is never carried over."""
+    model = MaskArg()
+    opt = attnopt.optimize(model, variant=variant)
+    q, k, v = qkv()
+    buf = torch.ones(T, T).tril().numpy()
+    keep = torch.from_numpy(buf)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(q, k, v, keep), model(q, k, v, keep))
+        buf[:] = torch.ones(T, T).tril(2).numpy()
+        with quiet():
+            torch.testing.assert_close(opt(q, k, v, keep), model(q, k, v, keep))
+
+
+def test_a_mask_argument_made_in_inference_mode() -> None:
+    model = MaskArg()
+    opt = attnopt.optimize(model, variant="sdpa")
+    q, k, v = qkv()
+    with torch.inference_mode():
+        for lookahead in (0, 2):
+            keep = torch.ones(T, T).tril(lookahead)
+            with quiet():
+                torch.testing.assert_close(opt(q, k, v, keep), model(q, k, v, keep))
+
+
 def test_a_mask_argument_is_checked_per_call_with_compile_true() -> None:
     if candidates.get_candidate("flex").available("cpu") is not None:  # same requirement: a C++ compiler
         pytest.skip("compile=True needs a C++ compiler")
@@ -332,6 +358,22 @@ def test_gradients_of_rows_fully_hidden_by_a_large_finite_fill(fill: float, vari
     (want_out * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
     torch.testing.assert_close(out, want_out)
     for a, e in zip(got, [t.grad for t in (q, k, v)]):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
+
+
+def test_a_rewritten_graph_compiled_by_the_user_keeps_exact_gradients_on_padded_rows() -> None:
+    """Inside a compiled graph the mask's values are unknown: the row rule must hold for every call."""
+    model = AddedPadding(-1e9)
+    q, k, v = qkv(grad=True)
+    gm = attnopt.rewrite(torch.fx.symbolic_trace(model), (q, k, v, torch.ones(B, T)), variant="sdpa")
+    compiled = torch.compile(gm, backend="aot_eager")
+    keep = torch.ones(B, T)
+    keep[1] = 0.0
+    grads = []
+    for fn in (compiled, model):
+        out = fn(q, k, v, keep)
+        grads.append(torch.autograd.grad((out * out.detach().cos()).sum(), (q, k, v)))
+    for a, e in zip(*grads):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
 
 

@@ -60,6 +60,18 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     return mask
 
 
+def is_call_input(node: fx.Node) -> bool:
+    """``node`` is an argument of the user's ``forward``, not module state (a parameter, buffer or attribute).
+
+    ``get_attr`` nodes are module state; so are dynamo's placeholders for ``self``'s tensors, whose
+    targets dynamo derives from their source (``L['self']._buffers['bias']`` -> ``L_self_buffers_bias_``)
+    and for globals (``G_...``). Every other placeholder is a call input.
+    """
+    if node.op != "placeholder":
+        return False
+    return not str(node.target).startswith(("L_self_", "G_"))
+
+
 def scaled_mask(mask: torch.Tensor, factor: float) -> torch.Tensor:
     """``mask * factor`` for ``(scores + mask) * factor``, with the dtype's minimum (a masked key) kept in value.
 
@@ -99,7 +111,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                     t = concrete.get(buf)
                     if t is None and buf.op == "get_attr":
                         t = attr_value(gm, str(buf.target))
-                    guards.append(BufferGuard.of(t, cuts, values))
+                    # a proof about a call input is never carried to the next call: checked on each
+                    guards.append(BufferGuard.of(t, cuts, values, strict=True if is_call_input(buf) else None))
                     guard_nodes.append(buf)
                 for node, all_true in m.mask.conditions:
                     guards.append(ConditionGuard(all_true))
