@@ -451,9 +451,6 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
 
 # ----------------------------------------------------------------------------- dtype conversions
 
-_INTERNAL_DTYPE_NOTE = "the fused kernel computes in {compute}"
-
-
 def _check_casts(softmax: fx.Node, softmax_dtype: Any, pre: list[fx.Node], post: list[fx.Node],
                  compute: torch.dtype | None, v_dtype: torch.dtype | None) -> None:
     """Only value-preserving conversions are read as transparent.
@@ -490,7 +487,7 @@ def _check_casts(softmax: fx.Node, softmax_dtype: Any, pre: list[fx.Node], post:
         if holds_exactly(dst, src) or holds_exactly(dst, compute) or (what == "probabilities" and dst == v_dtype):
             continue  # every value kept (widening, or back to at least the compute dtype), or the HF pattern
         raise NearMiss(f"the {what} are converted to {dst} by {spelling}{_at(node)} (a lossy conversion: "
-                       f"{dst} does not hold every {compute} value; {_INTERNAL_DTYPE_NOTE.format(compute=compute)})")
+                       f"{dst} does not hold every {compute} value; the fused kernel computes in {compute})")
 
 
 # ----------------------------------------------------------------------------- in-place writes
