@@ -571,9 +571,49 @@ class _Recomputable(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+class _TwiceDifferentiable(torch.autograd.Function):
+    """Identity on a candidate's output ``out = fn(q, k, v, mask)`` that makes its backward differentiable.
+
+    For candidates whose backward is PyTorch's own (the SDPA family): an ordinary backward passes the
+    gradient through to the candidate's fused backward (no second autograd pass, one extra node);
+    when autograd records the backward (``create_graph=True``) it sends nothing to the candidate and
+    returns the reference computation's gradients for q, k, v and the mask, computed differentiably.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, kwargs: dict, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        ctx.kwargs = kwargs
+        ctx.save_for_backward(q, k, v, mask)
+        return out.clone()  # a new tensor: the caller may write it in place
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        if not torch.is_grad_enabled():
+            return None, grad_out, None, None, None, None
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[2:6]
+        targets = [i for i in range(4) if need[i]]
+        with torch.autocast(grad_out.device.type, enabled=False):
+            out = reference_attention(*saved[:3], **dict(ctx.kwargs, attn_mask=saved[3]))
+        got = torch.autograd.grad(out, [saved[i] for i in targets], grad_out.to(out.dtype), create_graph=True,
+                                  allow_unused=True)
+        grads: list[torch.Tensor | None] = [None] * 4
+        for i, g in zip(targets, got):
+            grads[i] = None if g is None else g.to(saved[i].dtype)
+        return (None, None, *grads)
+
+
+#: Candidates whose backward is PyTorch's own autograd (it works under autocast and checkpointing):
+#: their output only needs the cheap :class:`_TwiceDifferentiable` node.
+_NATIVE_BACKWARD = frozenset(("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"))
+
+
 def _recomputable(site: Any, fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kwargs: dict) -> torch.Tensor:
     if torch._C._are_functorch_transforms_active():
         return fn(q, k, v, **kwargs)  # functorch transforms differentiate the candidate's own graph
     rest = {n: a for n, a in kwargs.items() if n != "attn_mask"}
+    if getattr(fn, "name", None) in _NATIVE_BACKWARD:
+        return _TwiceDifferentiable.apply(rest, fn(q, k, v, **kwargs), q, k, v, kwargs["attn_mask"])
     return _Recomputable.apply(site, fn, rest, q, k, v, kwargs["attn_mask"])
