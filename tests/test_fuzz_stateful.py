@@ -5,10 +5,11 @@ The hypothesis ``RuleBasedStateMachine`` below draws one model from the grammar 
 never "flex", whose compiled kernel is wrong upstream for some small shapes on this project's CPUs), then
 runs a random sequence of rules on it. Every rule ends with a call of both models on the same inputs:
 
-* ``call``: new shapes (batch, sequence length);
+* ``call``: new shapes (batch, sequence length), maybe with another mask or padding pattern;
 * ``new_mask`` / ``new_pad``: the next calls' mask / padding arguments get another pattern (causal,
   look-ahead ``tril(2)``, random, a band, a query row with no visible key, a batch entry all padding);
-  the tensors are built afresh on every call, as a user's data loader does;
+  the tensors are built afresh on every call, as a user's data loader does (drawn per sequence: wherever
+  the allocator puts them, or every one at the previous one's address with the same version);
 * ``write_buffer``: in-place writes (``fill_``, ``mul_``, ``copy_`` of another pattern, ``add_``) to the
   mask buffer, the bias buffer or parameter, or the 0-d scale buffer;
 * ``reregister_buffer``: ``del m.bias; m.register_buffer("bias", ...)`` (and the same for ``scale``, or a new
@@ -194,9 +195,10 @@ class AttnoptFuzzer(RuleBasedStateMachine):
     MASK: str | None = None  # the mask spelling of every sequence (one machine per spelling), or drawn
 
     @initialize(data=st.data(), variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**16),
+                same_address=st.booleans(),
                 B=st.sampled_from(BATCHES), T=st.sampled_from(LENGTHS),
                 mode=st.sampled_from(["no_grad", "inference", "grad", "double", "autocast"]))
-    def setup(self, data, variant: str, seed: int, B: int, T: int, mode: str) -> None:
+    def setup(self, data, variant: str, seed: int, same_address: bool, B: int, T: int, mode: str) -> None:
         spec = data.draw(fuzz_specs(self.MASK), label="spec")
         torch._dynamo.reset()
         torch.manual_seed(seed)
@@ -209,6 +211,7 @@ class AttnoptFuzzer(RuleBasedStateMachine):
         self.dtype = torch.float32
         self.mask_kind = "causal"
         self.pad_kind = "all"
+        self.same_address, self.pool = same_address, {}
         self.B, self.T = B, T
         self._check(mode)
 
@@ -217,12 +220,24 @@ class AttnoptFuzzer(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the check every rule ends with
 
+    def _fresh(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a new tensor object; with ``same_address``, one at the address (and with the version) the
+        previous call's argument of this shape had: what the allocator does when a data loader rebuilds a
+        mask per batch (the old tensor is freed, the new one lands on its memory with a fresh version)."""
+        if not self.same_address:
+            return t
+        store = self.pool.setdefault((tuple(t.shape), t.dtype), torch.empty(t.shape, dtype=t.dtype).untyped_storage())
+        fresh = torch.empty(0, dtype=t.dtype).set_(store, 0, t.shape)
+        with torch.no_grad():
+            fresh.copy_(t)
+        return fresh
+
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         s, B, T = self.spec, self.B, self.T
         x = torch.randn(B, T, s.C, dtype=self.dtype)
         mask = arg_from_keep(mask_pattern(self.mask_kind, T), s, self.dtype) if s.mask in ARG_MASKS else None
         pad = pad_pattern(self.pad_kind, B, T) if s.pad != "none" else None
-        return x, mask, pad
+        return x, None if mask is None else self._fresh(mask), None if pad is None else self._fresh(pad)
 
     def _run(self, fn, x: torch.Tensor, mask, pad, mode: str, params: list[torch.Tensor]):
         """``fn``'s output and, except under ``no_grad``/``inference``, its gradients w.r.t. ``x`` and ``params``
@@ -308,10 +323,13 @@ class AttnoptFuzzer(RuleBasedStateMachine):
 
     MODES = st.sampled_from(["no_grad", "inference", "grad", "double", "autocast"])
 
-    @rule(B=st.sampled_from(BATCHES), T=st.sampled_from(LENGTHS), mode=MODES)
-    def call(self, B: int, T: int, mode: str) -> None:
-        """A call with new shapes."""
+    @rule(B=st.sampled_from(BATCHES), T=st.sampled_from(LENGTHS), mode=MODES,
+          mask=st.none() | st.sampled_from(MASK_PATTERNS), pad=st.none() | st.sampled_from(PAD_PATTERNS))
+    def call(self, B: int, T: int, mode: str, mask: str | None, pad: str | None) -> None:
+        """A call with new shapes, and maybe another mask / padding pattern (where the model takes one)."""
         self.B, self.T = B, T
+        self.mask_kind = mask or self.mask_kind
+        self.pad_kind = pad or self.pad_kind
         self._step("call", mode)
 
     @precondition(lambda self: self.spec.mask in ARG_MASKS)
