@@ -245,7 +245,7 @@ class AttentionSite(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                 scale: float | None = None, dropout_p: float | None = None,
-                *guarded: torch.Tensor) -> torch.Tensor:
+                *guarded: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
@@ -281,7 +281,7 @@ class AttentionSite(nn.Module):
                 as_written = (grad or dropout_active) and bool((row_max <= -SATURATED).any())
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
             if as_written:
-                out = self._as_written(q, k, v, kwargs)
+                out = self._as_written(q, k, v, kwargs, filled)
             else:
                 out = self._call(q, k, v, kwargs)
         if spec.min_rows == "mean" and min_rows is not None and not as_written:
@@ -301,18 +301,23 @@ class AttentionSite(nn.Module):
             out = out.to(spec.out_dtype)
         return out
 
-    def _as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+                    filled: torch.Tensor | None = None) -> torch.Tensor:
         """The reference computation with the mask applied as the code wrote it.
 
-        An added mask is added; where the mask holds ``masked_fill`` values (``cut_fills``) the fill
-        replaces the score, so the score receives no gradient there, as written. Used for the calls
+        An added mask is added; where a ``masked_fill`` replaced the score the score receives no
+        gradient, as written: at ``filled`` (the fills' union, when the mask also adds terms) or, when
+        the mask is made of fills only (``cut_fills``), wherever it holds a fill. Used for the calls
         whose rows every key is hidden by a large fill, where only this reproduces the original's
         gradients (and its dropout of a uniform row).
         """
         mask = kwargs.get("attn_mask")
         if not (self.cut_fills and isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return reference_attention(q, k, v, **kwargs)
-        filled = mask <= torch.finfo(mask.dtype).min / 2
+        if filled is None:
+            filled = mask <= torch.finfo(mask.dtype).min / 2
+        elif filled.dim() < 4:
+            filled = filled.reshape((1,) * (4 - filled.dim()) + tuple(filled.shape))
         inner = kwargs.get("score_mod")
 
         def fill_as_written(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,

@@ -461,3 +461,27 @@ def test_no_dropout_keeps_the_mean_of_v_rows_fast_path() -> None:
     with torch.no_grad():
         torch.testing.assert_close(opt(q, k, v, pad), model(q, k, v, pad))
     assert math.isfinite(opt(q, k, v, pad).abs().max().item())
+
+
+class AddThenFill(nn.Module):
+    """An added mask holding the dtype's minimum, then a ``masked_fill``: the added part keeps its gradient."""
+
+    def forward(self, q, k, v, add, hide):
+        a = (q @ k.transpose(-2, -1) + add).masked_fill(hide, torch.finfo(q.dtype).min)
+        return F.softmax(a, -1) @ v
+
+
+@pytest.mark.parametrize("variant", ["auto", "sdpa", "math"])
+def test_a_row_hidden_partly_by_an_added_minimum_and_partly_by_a_fill(variant: str) -> None:
+    model = AddThenFill()
+    opt = attnopt.optimize(model, variant=variant)
+    q, k, v = (torch.randn(1, 1, 2, 4, requires_grad=True) for _ in range(3))
+    add = torch.tensor([[0.0, torch.finfo(torch.float32).min]] * 2)
+    hide = torch.tensor([[False, False], [True, False]])  # row 1: key 0 filled, key 1 hidden by the added minimum
+    grads = []
+    for fn in (opt, model):
+        with quiet():
+            out = fn(q, k, v, add, hide)
+        grads.append([out.detach(), *torch.autograd.grad((out * out).sum(), (q, k, v))])
+    for a, e in zip(*grads):
+        torch.testing.assert_close(a, e)

@@ -60,6 +60,25 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     return mask
 
 
+def _emit_filled(graph: fx.Graph, m: Match) -> fx.Node | None:
+    """Where a ``masked_fill`` replaced the score, for additive masks that also add terms.
+
+    As written, a filled score gets no gradient while an added one does; on a row whose every key is
+    hidden (the one case where that shows) the site computes the mask as written and needs to know
+    which positions were filled. A fill replaces the score whatever is added after it, so this is
+    the union of the fill conditions. None when the mask has no fill or nothing added.
+    """
+    plan = m.mask
+    fills = [t for t in plan.terms if isinstance(t, Fill)]
+    if plan.kind != "additive" or not fills or len(fills) == len(plan.terms):
+        return None
+    out: fx.Node | None = None
+    for t in fills:
+        cond = t.cond if not t.keep_when_true else graph.call_function(torch.logical_not, (t.cond,))
+        out = cond if out is None else graph.call_function(torch.logical_or, (out, cond))
+    return out
+
+
 def is_call_input(node: fx.Node) -> bool:
     """``node`` is an argument of the user's ``forward``, not module state (a parameter, buffer or attribute).
 
@@ -130,9 +149,11 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             cut_fills = m.mask.kind == "additive" and any(isinstance(t, Fill) for t in m.mask.terms)
             site = site_cls(m.record.name, m.spec, candidate, guards, where, score_mod=m.score_mod,
                             cut_fills=cut_fills)
+            filled = _emit_filled(graph, m) if mask is not None else None
             gm.add_submodule(name, site.train(gm.training))
             v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
-            new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes))
+            new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes),
+                                    {"filled": filled} if filled is not None else {})
             if m.v_transposed:
                 new = graph.call_method("transpose", (new, -2, -1))
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
@@ -154,17 +175,50 @@ _PURE_MODULES = (torch.nn.Softmax, torch.nn.Dropout)
 
 
 def _detach_metadata_users(m: Match) -> None:
-    """Point ``s.new_full(...)``/``x.type_as(s)`` at q when they read a replaced node only for its dtype.
+    """Point ``s.new_full(...)``/``x.type_as(s)`` at q when they read a replaced node only for its dtype,
+    and ``torch.ones_like(s, ...)``-style factories at a stand-in of ``s``'s shape, dtype and device
+    (``q.new_empty(shape, dtype=...)``: allocated, never computed), when that shape is a constant.
 
-    Otherwise a mask built with ``scores.new_full`` would keep the ``q @ k^T`` product alive.
+    Otherwise a mask built with ``scores.new_full`` or ``torch.ones_like(scores)`` would keep the
+    ``q @ k^T`` product alive.
     """
+    from .find_sites import reads_only_like
+
     internal = set(m.internal)
     for node in m.internal:
+        likes = [u for u in node.users if u not in internal and reads_only_like(u, node)]
+        shape = _dense_static_shape(node)
+        if likes and shape is not None and _device(node) == _device(m.q) and dtype_of(node) is not None:
+            for user in likes:
+                with node.graph.inserting_before(user):
+                    stand_in = node.graph.call_method("new_empty", (m.q, shape), {"dtype": dtype_of(node)})
+                for key in ("val", "example_value", "tensor_meta"):
+                    if key in node.meta:
+                        stand_in.meta[key] = node.meta[key]
+                user.replace_input_with(node, stand_in)
         if dtype_of(node) != dtype_of(m.q) or _device(node) != _device(m.q):
             continue
         for user in list(node.users):
-            if user not in internal and reads_only_dtype(user, node):
+            if user not in internal and reads_only_dtype(user, node) and not reads_only_like(user, node):
                 user.replace_input_with(node, m.q)
+
+
+def _dense_static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """``node``'s shape when every size is a constant and the tensor is contiguous (so a fresh tensor of that
+    shape has its strides too, and ``rand_like`` draws the same numbers for each element), else None."""
+    value = meta_value(node)
+    shape, stride = getattr(value, "shape", None), getattr(value, "stride", None)
+    if shape is None or stride is None or not all(type(d) is int for d in shape):
+        return None
+    stride = stride() if callable(stride) else stride
+    expected, acc = [], 1
+    for d in reversed(shape):
+        expected.append(acc)
+        acc *= max(d, 1)
+    expected.reverse()
+    if any(d != 1 and st != e for d, st, e in zip(shape, stride, expected)):
+        return None
+    return tuple(shape)
 
 
 def _device(node: fx.Node) -> object:
