@@ -37,7 +37,8 @@ not        ``(x,)``
 tril/triu  ``(x, diagonal)``
 getitem    ``(x, index)``
 view       ``(x,)``: view/reshape/unsqueeze/expand/broadcast_to: a reshaping whose result shape is in meta
-factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like/zeros/empty (fill None)
+factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like/zeros_like/full_like/zeros/empty
+           (fill None for empty/empty_like)
 ========== =============================================================
 
 In-place methods (``mul_``, ``div_``, ``add_``, ``masked_fill_``, ``baddbmm_``, ``tanh_``) read
@@ -512,6 +513,9 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.reshape: _view, torch.unsqueeze: _view, aten.view.default: _view, aten.reshape.default: _view,
     aten.unsqueeze.default: _view, aten.expand.default: _view, aten._unsafe_view.default: _view,
     torch.ones: _factory(None, 1), torch.ones_like: _factory(None, 1), aten.ones.default: _factory(None, 1),
+    aten.ones_like.default: _factory(None, 1), torch.zeros_like: _factory(None, 0),
+    aten.zeros_like.default: _factory(None, 0), torch.full_like: _factory(1), aten.full_like.default: _factory(1),
+    torch.empty_like: _factory(None, None), aten.empty_like.default: _factory(None, None),
     torch.full: _factory(1), aten.full.default: _factory(1),
     torch.zeros: _factory(None, 0), aten.zeros.default: _factory(None, 0),
     torch.empty: _factory(None, None), aten.empty.memory_format: _factory(None, None),
@@ -649,9 +653,73 @@ _INPLACE_OPERATORS = frozenset((
 ))
 
 
+_INPLACE_INDEX_CACHE: dict[Any, int | None] = {}
+
+#: Where signatures are unavailable (a wrapped or C function): the position of ``inplace`` in
+#: ``torch.nn.functional``'s activations and dropouts, by name.
+_INPLACE_POSITION = {
+    **dict.fromkeys(("relu", "relu6", "selu", "silu", "mish", "hardswish", "hardsigmoid"), 1),
+    **dict.fromkeys(("elu", "celu", "leaky_relu"), 2),
+    **dict.fromkeys(("hardtanh", "threshold", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+                     "dropout2d", "dropout3d"), 3),
+    "rrelu": 4,
+}
+
+
+def _inplace_param(target: Any) -> tuple[int, bool] | None:
+    """(position, default) of ``target``'s ``inplace`` parameter, or None if it has none."""
+    try:
+        if target in _INPLACE_INDEX_CACHE:
+            return _INPLACE_INDEX_CACHE[target]  # type: ignore[return-value]
+    except TypeError:  # unhashable
+        return None
+    found: tuple[int, bool] | None = None
+    try:
+        import inspect
+
+        params = list(inspect.signature(target).parameters.values())
+        for i, prm in enumerate(params):
+            if prm.name == "inplace" and prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY):
+                pos = i if prm.kind is prm.POSITIONAL_OR_KEYWORD else -1
+                found = (pos, prm.default is True)
+                break
+    except (TypeError, ValueError):
+        name = getattr(target, "__name__", "")
+        if getattr(target, "__module__", "") in ("torch.nn.functional", "torch._C._nn") and name in _INPLACE_POSITION:
+            found = (_INPLACE_POSITION[name], False)
+    _INPLACE_INDEX_CACHE[target] = found  # type: ignore[assignment]
+    return found
+
+
+def _first_input(user: fx.Node) -> Any:
+    """The tensor an op acts on: its first argument, or ``input=``/``self=`` given by keyword."""
+    if user.args:
+        return user.args[0]
+    return user.kwargs.get("input", user.kwargs.get("self"))
+
+
+def inplace_flag(user: fx.Node) -> bool:
+    """``user`` is called with ``inplace=True``: by keyword, by position (``F.relu(x, True)``,
+    ``F.dropout(x, p, training, True)``; the parameter is found in the target's signature), or by
+    the parameter's default."""
+    if "inplace" in user.kwargs:
+        return user.kwargs["inplace"] is True
+    if user.op != "call_function":
+        return False
+    param = _inplace_param(user.target)
+    if param is None:
+        return False
+    pos, default = param
+    if 0 <= pos < len(user.args):
+        return user.args[pos] is True
+    return default
+
+
 def _writes(user: fx.Node, node: fx.Node) -> bool:
     if user.kwargs.get("out") is node:
         return True  # torch.logical_and(keep, pad, out=keep)
+    if user.op in ("call_function", "call_method") and _first_input(user) is node and inplace_flag(user):
+        return True  # F.relu(x, True), F.hardtanh(x, -1, 1, True), F.dropout(x, p, True, True)
     first = bool(user.args) and user.args[0] is node
     if user.op == "call_method":
         name = str(user.target)
@@ -681,15 +749,14 @@ _METADATA_INPLACE = frozenset(("requires_grad_", "share_memory_", "retain_grad")
 
 def writes(user: fx.Node, node: fx.Node, root: torch.nn.Module | None = None) -> bool:
     """``user`` writes ``node``'s memory: an in-place method or function, ``out=``, ``x[...] = y``, an
-    in-place operator (``x += y``), ``inplace=True`` (a function's keyword, or a module's flag in a
-    ``symbolic_trace`` graph, where ``nn.ReLU(inplace=True)`` stays a ``call_module``)."""
+    in-place operator (``x += y``), an ``inplace`` flag that is on (a function's argument by keyword or
+    position, see :func:`inplace_flag`; or a module's flag in a ``symbolic_trace`` graph, where
+    ``nn.ReLU(inplace=True)`` stays a ``call_module``)."""
     if user.op == "call_method" and str(user.target) in _METADATA_INPLACE:
         return False
     if _writes(user, node):
         return True
     first = bool(user.args) and user.args[0] is node
-    if user.op in ("call_function", "call_method") and user.kwargs.get("inplace") is True:
-        return first
     if user.op == "call_module" and first:
         if root is None:
             return True  # an unknown module may write its input
@@ -712,73 +779,196 @@ _VIEW_MODULES = (torch.nn.Identity, torch.nn.Flatten, torch.nn.Unflatten, torch.
                  torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
-def _shares_with(user: fx.Node, node: fx.Node, root: torch.nn.Module | None) -> bool:
-    """``user``'s result may share memory with ``node`` (a view, the in-place result, ``out=``)."""
-    if user.kwargs.get("out") is node:
-        return True
-    if not (user.args and user.args[0] is node):
+#: Kinds of the vocabulary whose result is always a new tensor (their in-place spellings, ``mul_``,
+#: ``masked_fill_``, are writes and alias their first argument: :func:`writes` is asked first).
+_FRESH_RESULT_KINDS = _FRESH_KINDS | frozenset(("softmax", "eq", "ne", "le", "lt", "ge", "gt", "and", "or", "not",
+                                                "tril", "triu", "factory"))
+
+#: Functions known to return a new tensor whose ATen op is composite (its schema says nothing).
+_FRESH_FUNCTIONS = frozenset(f for f in (
+    F.linear, F.layer_norm, F.group_norm, F.embedding, F.scaled_dot_product_attention, F.normalize, F.gelu,
+    F.silu, F.softplus, F.log_softmax, torch.stack, torch.cat, getattr(torch, "concat", None),
+    getattr(torch, "concatenate", None), getattr(F, "rms_norm", None), torch.matmul, torch.bmm, torch.mm,
+    torch.baddbmm, torch.addmm, torch.layer_norm, torch.outer, torch.cumsum, torch.arange, torch.zeros, torch.ones,
+    torch.full, torch.empty, torch.tensor, torch.rand, torch.randn, torch.randint,
+) if f is not None)
+
+#: ``operator`` functions, by the ATen op they run on tensors.
+_OPERATOR_ATEN = {"neg": "neg", "pow": "pow", "mod": "remainder", "floordiv": "floor_divide", "xor": "bitwise_xor",
+                  "abs": "abs", "lshift": "bitwise_left_shift", "rshift": "bitwise_right_shift"}
+
+_TORCH_NAMESPACES = ("torch", "torch._C._VariableFunctions", "torch._C._nn", "torch.nn.functional",
+                     "torch.functional", "torch.special", "torch._C._special")
+
+_FRESH_CACHE: dict[Any, bool] = {}
+
+
+def _overload_fresh(op: Any) -> bool | None:
+    """True: ``op`` returns new tensors; False: it may return an alias of an input; None: not a tensor op."""
+    schema = op._schema
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return None  # an in-place or out= variant: a write, seen by `writes`
+    try:
+        composite = op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:
+        return None  # a TorchScript builtin on numbers (aten::add.int)
+    if any(r.alias_info is not None for r in schema.returns):
         return False
-    if aliases(user) or writes(user, node, root):
+    # a composite op's schema promises nothing: aten::dropout, type_as and einsum return their input (or a
+    # view of it) in some cases
+    return not composite
+
+
+def _aten_fresh(name: str) -> bool:
+    """Every tensor overload of ``aten::<name>`` returns new tensors."""
+    key = ("aten", name)
+    if key in _FRESH_CACHE:
+        return _FRESH_CACHE[key]
+    verdict = False
+    try:
+        packet = getattr(torch.ops.aten, name)
+        seen = [_overload_fresh(getattr(packet, ov)) for ov in packet.overloads()]
+        tensor_ops = [v for v in seen if v is not None]
+        verdict = bool(tensor_ops) and all(tensor_ops)
+    except (AttributeError, RuntimeError):
+        verdict = False
+    _FRESH_CACHE[key] = verdict
+    return verdict
+
+
+def _fresh_result(user: fx.Node) -> bool:
+    """``user``'s result is known to be new memory (it shares none with any input): a kind of the vocabulary
+    that always computes (matmul, arithmetic, softmax, comparisons, factories), an ATen op whose schema
+    returns no alias and that is not composite, or a function known to compute."""
+    op = read(user)
+    if op is not None and op.kind in _FRESH_RESULT_KINDS:
         return True
+    t = user.target
     if user.op == "call_method":
-        return str(user.target) in _MORE_VIEW_METHODS
-    if user.op == "call_function":
-        return user.target is getattr  # x.T, x.mT, x.data
+        name = str(t)
+        return not name.endswith("_") and not name.startswith("_") and _aten_fresh(name)
+    if isinstance(t, torch._ops.OpOverload):
+        return _overload_fresh(t) is True
+    try:
+        if t in _FRESH_FUNCTIONS:
+            return True
+    except TypeError:
+        return False
+    module = getattr(t, "__module__", None)
+    name = getattr(t, "__name__", "")
+    if module in ("_operator", "operator"):
+        return name in _OPERATOR_ATEN and _aten_fresh(_OPERATOR_ATEN[name])
+    if module in _TORCH_NAMESPACES and isinstance(name, str) and not name.endswith("_") and not name.startswith("_"):
+        try:
+            if getattr(torch, name, None) is not t and getattr(F, name, None) is not t \
+                    and getattr(torch._C._nn, name, None) is not t and getattr(torch.special, name, None) is not t:
+                return False  # not the public function of that name
+        except TypeError:
+            return False
+        return _aten_fresh(name)
+    return False
+
+
+def _maybe_tensor(value: Any) -> bool:
+    """An example value that is (or holds) a tensor, or unknown (None)."""
+    if value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_maybe_tensor(v) for v in value) if value else False
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    return isinstance(value, (torch.Tensor, TensorMetadata))
+
+
+def _tensor_node(node: Any) -> bool:
+    return isinstance(node, fx.Node) and _maybe_tensor(meta_value(node))
+
+
+def may_alias(user: fx.Node, inp: Any, root: torch.nn.Module | None = None) -> bool:
+    """``user``'s result may share memory with its tensor input ``inp``: a view, the in-place result,
+    ``out=``. Conservative: an op counts as possibly aliasing every tensor input unless its result is known
+    to be new (:func:`_fresh_result`); the explicit view lists are the fast path for the first argument."""
+    if not isinstance(inp, fx.Node) or user.op not in ("call_function", "call_method", "call_module") \
+            or inp not in user.all_input_nodes:
+        return False
+    if user.kwargs.get("out") is inp or writes(user, inp, root):
+        return True
+    if not _tensor_node(inp) or not _tensor_node(user):
+        return False  # a size, a number, a dtype: no memory to share
+    first = _first_input(user) is inp
     if user.op == "call_module":
+        if not first:
+            return False
         if root is None:
             return True
         try:
             return isinstance(root.get_submodule(str(user.target)), _VIEW_MODULES)
         except AttributeError:
             return True
+    if user.op == "call_method" and (str(user.target) in _VIEW_METHODS or str(user.target) in _MORE_VIEW_METHODS):
+        return first
+    if user.op == "call_function":
+        try:
+            listed = user.target in _VIEW_FUNCTIONS
+        except TypeError:
+            listed = False
+        if listed or user.target is getattr:
+            return first  # x.T, x.mT, x.data
+        if isinstance(user.target, torch._ops.OpOverload):
+            verdict = _overload_fresh(user.target)
+            if verdict is True:
+                return False
+            try:
+                composite = user.target.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+            except RuntimeError:
+                composite = True
+            if not composite:
+                return _passed_to_alias(user, inp)  # only the arguments the schema marks share memory
+            return True
+    return not _fresh_result(user)
+
+
+def _passed_to_alias(user: fx.Node, inp: fx.Node) -> bool:
+    """``inp`` is passed to a schema argument with alias information (``Tensor(a) self``)."""
+    schema = user.target._schema  # type: ignore[union-attr]
+    for i, a in enumerate(schema.arguments):
+        value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if a.alias_info is not None and any(v is inp for v in values):
+            return True
     return False
 
 
 def alias_group(node: fx.Node, root: torch.nn.Module | None = None) -> set[fx.Node]:
-    """Every node whose tensor may share memory with ``node``'s: up through views (and in-place results)
-    to the base, then down through every view of it. ``get_attr`` nodes of one attribute (symbolic_trace
-    makes one per access) are one tensor. Conservative: ops that may return an alias count as views."""
-    base = node
-    for _ in range(64):
-        parent = None
-        if base.op in ("call_function", "call_method", "call_module"):
-            out = base.kwargs.get("out")
-            if isinstance(out, fx.Node):
-                parent = out
-            elif base.args and isinstance(base.args[0], fx.Node) and _shares_with(base, base.args[0], root):
-                parent = base.args[0]
-        if parent is None:
-            break
-        base = parent
-    roots = [base]
-    if base.op == "get_attr":
-        obj = attr_value(root, str(base.target)) if root is not None else None
-        for n in base.graph.nodes:
-            if n.op == "get_attr" and n is not base and (n.target == base.target or (
-                    obj is not None and isinstance(obj, torch.Tensor)
-                    and attr_value(root, str(n.target)) is obj)):  # type: ignore[arg-type]
-                roots.append(n)
+    """Every node whose tensor may share memory with ``node``'s: the connected set of nodes joined by
+    :func:`may_alias` (a view and its base, the views of a base, an op's result and any input it may
+    return), found in both directions. ``get_attr`` nodes of one attribute (symbolic_trace makes one per
+    access) are one tensor. Conservative: an op not known to compute a new tensor joins its inputs."""
     group: set[fx.Node] = set()
-    pending = list(roots)
+    pending = [node]
+    attrs: list[fx.Node] | None = None
     while pending:
         cur = pending.pop()
         if cur in group:
             continue
         group.add(cur)
-        pending.extend(u for u in cur.users if _shares_with(u, cur, root))
+        if cur.op in ("call_function", "call_method", "call_module"):
+            pending.extend(i for i in cur.all_input_nodes if i not in group and may_alias(cur, i, root))
+        pending.extend(u for u in cur.users if u not in group and may_alias(u, cur, root))
+        if cur.op == "get_attr":
+            if attrs is None:
+                attrs = [n for n in cur.graph.nodes if n.op == "get_attr"]
+            obj = attr_value(root, str(cur.target)) if root is not None else None
+            pending.extend(n for n in attrs if n not in group and (n.target == cur.target or (
+                isinstance(obj, torch.Tensor) and attr_value(root, str(n.target)) is obj)))  # type: ignore[arg-type]
     return group
 
 
 def aliases(user: fx.Node) -> bool:
-    """``user``'s result may be a view of (share memory with) its first argument."""
-    if user.op == "call_method":
-        return str(user.target) in _VIEW_METHODS
-    if user.op == "call_function":
-        if user.target in _VIEW_FUNCTIONS:
-            return True
-        schema = getattr(user.target, "_schema", None)
-        return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
-    return False
+    """``user``'s result may be a view of (share memory with) its first argument. Conservative: an op not
+    known to compute a new tensor may return its input."""
+    first = _first_input(user)
+    return isinstance(first, fx.Node) and may_alias(user, first)
 
 
 def mutated(node: Any, depth: int = 8) -> bool:
@@ -793,6 +983,6 @@ def mutated(node: Any, depth: int = 8) -> bool:
     for user in node.users:
         if _writes(user, node):
             return True
-        if aliases(user) and mutated(user, depth - 1):
+        if may_alias(user, node) and mutated(user, depth - 1):
             return True
     return False

@@ -124,10 +124,43 @@ def _user_desc(n: fx.Node, node: fx.Node) -> str:
 
 _METADATA_METHODS = ("new_full", "new_ones", "new_zeros", "new_empty")
 
+#: Factories whose result depends only on their first argument's shape, dtype, device and layout (the
+#: value ``full_like`` fills, and ``randint_like``'s bounds, come after it).
+LIKE_FACTORIES = frozenset(f for name in ("ones_like", "zeros_like", "empty_like", "full_like", "rand_like",
+                                          "randn_like", "randint_like")
+                           for f in (getattr(torch, name), getattr(torch.ops.aten, name).default))
+
+
+def _is_tensor_node(x: Any) -> bool:
+    if not isinstance(x, fx.Node):
+        return False
+    v = meta_value(x)
+    return v is None or isinstance(v, torch.Tensor) or hasattr(v, "shape")
+
+
+def reads_only_like(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` is ``torch.ones_like(node, ...)`` (or zeros/empty/full/rand/randn/randint): it reads
+    ``node``'s shape, dtype and device, never its values. Not so when another argument is a tensor
+    (``full_like(s, x)`` with a tensor ``x``: its value depends on a tensor)."""
+    if user.op != "call_function" or user.kwargs.get("out") is not None:
+        return False
+    try:
+        if user.target not in LIKE_FACTORIES:
+            return False
+    except TypeError:
+        return False
+    if not user.args or user.args[0] is not node:
+        return False
+    others = [*user.args[1:], *user.kwargs.values()]
+    return not any(_is_tensor_node(a) for a in others) and not any(isinstance(a, (list, tuple)) for a in others)
+
 
 def reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
-    """``user`` reads only ``node``'s dtype/device, not its values: ``softmax(s.float()).type_as(s)``,
-    ``s + s.new_full((T, T), -inf).triu(1)``."""
+    """``user`` reads only ``node``'s dtype/device (and shape), not its values:
+    ``softmax(s.float()).type_as(s)``, ``s + s.new_full((T, T), -inf).triu(1)``,
+    ``s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -inf)``."""
+    if reads_only_like(user, node):
+        return True
     if user.op != "call_method" or user.kwargs.get("out") is not None:
         return False
     if user.target == "type_as":
@@ -571,21 +604,63 @@ def _check_no_write_before_site(gm: fx.GraphModule, m: Match) -> None:
         region.add(n)
         if n not in stop:
             pending.extend(n.all_input_nodes)
+    firsts: list[tuple[fx.Node, str, int]] = []
     for x, role in inputs:
         reads = [order[u] for u in x.users if u in region and _reads_values(u)]
-        if not reads:
-            continue
-        first = min(reads)
-        if first >= end:
-            continue  # read by P @ V itself
-        group = alias_group(x, gm)
+        if reads and min(reads) < end:  # else read by P @ V itself
+            firsts.append((x, role, min(reads)))
+    if not firsts:
+        return
+    start = min(f for _, _, f in firsts)
+    # every write in the window, and the tensor it writes (most windows have none: nothing more to do)
+    written: dict[fx.Node, list[fx.Node]] = {}
+    for w in gm.graph.nodes:
+        if start <= order[w] < end and w.op in ("call_function", "call_method", "call_module"):
+            for t in w.all_input_nodes:
+                if writes(w, t, gm):
+                    written.setdefault(t, []).append(w)
+    if not written:
+        return
+    groups: dict[fx.Node, set[fx.Node]] = {}
+
+    def group_of(n: fx.Node) -> set[fx.Node]:
+        if n not in groups:
+            g = alias_group(n, gm)
+            for member in g:
+                groups.setdefault(member, g)
+        return groups[n]
+
+    def rooted(g: set[fx.Node]) -> bool:
+        """The memory may come from outside the graph: a graph input, module state (``get_attr``, or
+        dynamo's ``L_self_...`` placeholders)."""
+        return any(n.op in ("placeholder", "get_attr") for n in g)
+
+    for x, role, first in firsts:
+        name = f"`{role}`" if role in ("q", "k", "v") else role
+        group = group_of(x)
         for g in group:
-            for w in g.users:
-                if first <= order[w] < end and writes(w, g, gm):
-                    name = f"`{role}`" if role in ("q", "k", "v") else role
+            for w in written.get(g, ()):
+                if first <= order[w] < end:
                     via = "" if g is x else f" (through `{g.name}`, which shares its memory)"
                     raise NearMiss(f"{name} is written in place by {_write_spelling(w)}{_at(w)}{via} after the "
                                    "attention reads it and before `P @ V`; the fused kernel would read the new value")
+    # Tensors that come from outside the graph may share memory at run time (the caller passed one tensor
+    # and a view of it; a buffer is also an argument), which the graph cannot show: a write in the window to
+    # one of them may change another input the site reads after the original did.
+    for x, role, first in firsts:
+        group = group_of(x)
+        if not rooted(group):
+            continue
+        for t, ws in written.items():
+            if t in group or not rooted(group_of(t)):
+                continue
+            for w in ws:
+                if first <= order[w] < end:
+                    name = f"`{role}`" if role in ("q", "k", "v") else role
+                    raise NearMiss(f"`{t.name}` is written in place by {_write_spelling(w)}{_at(w)} after the "
+                                   f"attention reads {name} and before `P @ V`; both come from outside the graph, "
+                                   "so the written tensor may share memory with the attention's inputs at run time "
+                                   "and the fused kernel would read the new value")
 
 
 def _same_shape(a: Any, b: Any) -> bool:
