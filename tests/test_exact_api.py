@@ -7,7 +7,8 @@ for inputs with the signature the proof saw and re-proves for others; every call
 graph as written, outputs and gradients.
 
 Class 8: ``explain(model, *inputs)`` runs a forward; nothing about the model (parameters, buffers,
-their values and ``requires_grad``, training flags) nor the random state may change.
+their values and ``requires_grad``, training flags, tensors and values held in attributes, containers
+and plain objects) nor the random state (torch, Python, numpy) may change.
 """
 
 from __future__ import annotations
@@ -380,3 +381,147 @@ def test_rewrite_leaves_submodule_training_flags_alone():
     attnopt.rewrite(gm, (torch.randn(2, 4, 8),), variant="sdpa")
     assert gm.training and not gm.qkv.training
 
+
+
+# Everything reachable from the modules' ``__dict__``s is state: tensors kept as plain attributes
+# (a KV cache, as Meta's llama reference keeps ``cache_k``), tensors and values inside containers and
+# inside plain objects, and the global random generators. explain restores them in place.
+
+
+def _attn(q, k, v):
+    return ((q @ k.transpose(-2, -1)) * 0.25).softmax(-1) @ v
+
+
+class KVCacheAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache_k = torch.zeros(2, 2, 8, 8)
+        self.log = {"calls": []}
+
+    def forward(self, q, k, v):
+        import random
+
+        import numpy as np
+
+        self.cache_k[:, :, :5] = k
+        self.log["calls"].append(1)
+        np.random.rand()
+        random.random()
+        return _attn(q, k, v)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_explain_restores_a_plain_tensor_cache_a_nested_list_and_the_numpy_and_python_rngs():
+    import random
+
+    import numpy as np
+
+    model = KVCacheAttribute()
+    cache, log, calls = model.cache_k, model.log, model.log["calls"]
+    np.random.seed(5)
+    random.seed(5)
+    want_np, want_py = np.random.get_state()[1].copy(), random.getstate()
+    attnopt.explain(model, *_randn(*[(2, 2, 5, 8)] * 3))
+    assert model.cache_k is cache and cache.abs().sum().item() == 0
+    assert model.log is log and log["calls"] is calls and log == {"calls": []}
+    assert (np.random.get_state()[1] == want_np).all() and random.getstate() == want_py
+
+
+class _Inner:
+    def __init__(self):
+        self.hist = []
+        self.last = torch.zeros(2)
+
+
+class _Stats:
+    def __init__(self):
+        self.n = 0
+        self.inner = _Inner()
+
+
+class StateEverywhere(nn.Module):
+    """In-place and rebinding writes to tensors and values held in containers and plain objects."""
+
+    def __init__(self):
+        super().__init__()
+        self.mem = [torch.zeros(3), {"t": torch.zeros(2)}]
+        self.pair = (torch.zeros(2), [0])
+        self.step = torch.zeros(())
+        self.seen = torch.zeros(())
+        self.tags = {"a"}
+        self.stats = _Stats()
+
+    def forward(self, q, k, v):
+        self.mem[0].add_(1)
+        self.mem[1]["t"] += 2
+        self.mem[1]["new"] = 1
+        self.mem.append(torch.ones(1))
+        self.pair[0].fill_(3)
+        self.pair[1].append(1)
+        self.step += 1                  # in place on the same 0-d tensor
+        self.seen = self.seen + 1       # rebinding the attribute
+        self.tags.add("b")
+        self.stats.n += 1
+        self.stats.added = True
+        self.stats.inner.hist.append(1)
+        self.stats.inner.last.add_(5)
+        self.stats.inner = _Inner() if q.sum() > 1e9 else self.stats.inner
+        return _attn(q, k, v)
+
+
+def test_explain_restores_tensors_and_values_inside_containers_and_plain_objects_in_place():
+    model = StateEverywhere()
+    mem, d, t0, t1, pair, step, seen = (model.mem, model.mem[1], model.mem[0], model.mem[1]["t"],
+                                        model.pair, model.step, model.seen)
+    tags, stats, inner, hist, last = model.tags, model.stats, model.stats.inner, model.stats.inner.hist, \
+        model.stats.inner.last
+    attnopt.explain(model, *_randn(*[(1, 2, 4, 8)] * 3))
+    assert model.mem is mem and len(mem) == 2 and mem[0] is t0 and mem[1] is d and d["t"] is t1
+    assert set(d) == {"t"} and t0.abs().sum() == 0 and t1.abs().sum() == 0
+    assert model.pair is pair and pair[0].abs().sum() == 0 and pair[1] == [0]
+    assert model.step is step and step.item() == 0 and model.seen is seen and seen.item() == 0
+    assert model.tags is tags and tags == {"a"}
+    assert model.stats is stats and stats.n == 0 and not hasattr(stats, "added")
+    assert stats.inner is inner and inner.hist is hist and hist == [] and inner.last is last
+    assert last.abs().sum() == 0
+
+
+class OwnGenerators(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import random
+
+        import numpy as np
+
+        self.gen = torch.Generator().manual_seed(1)
+        self.np_rng = np.random.default_rng(1)
+        self.py_rng = random.Random(1)
+        self.table = np.zeros(4)
+
+    def forward(self, q, k, v):
+        torch.rand(1, generator=self.gen)
+        self.np_rng.random()
+        self.py_rng.random()
+        self.table[1] = 7.0
+        return _attn(q, k, v)
+
+
+def test_explain_restores_generators_and_numpy_arrays_held_by_the_model():
+    model = OwnGenerators()
+    ref = OwnGenerators()
+    table = model.table
+    attnopt.explain(model, *_randn(*[(1, 2, 4, 8)] * 3))
+    assert model.table is table and not table.any()
+    assert torch.equal(torch.rand(3, generator=model.gen), torch.rand(3, generator=ref.gen))
+    assert model.np_rng.random() == ref.np_rng.random() and model.py_rng.random() == ref.py_rng.random()
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_explain_warns_about_state_above_the_copy_budget(monkeypatch):
+    import attnopt.api as api
+
+    monkeypatch.setattr(api, "_EXPLAIN_STATE_COPY_LIMIT", 100)  # cache_k is 1 KiB
+    model = KVCacheAttribute()
+    with pytest.warns(UserWarning, match=r"cache_k"):
+        attnopt.explain(model, *_randn(*[(2, 2, 5, 8)] * 3))
+    assert model.log == {"calls": []}  # the rest is still restored
