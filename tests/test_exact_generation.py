@@ -10,10 +10,16 @@ Class 10: a :class:`~attnopt.generation.CachedLM` attends causally because a pro
 causal buffer (nanoGPT's ``tril``). Once that buffer no longer holds the proven pattern (written in
 place, loaded from another state dict, deleted and registered again) the cache must not keep
 serving the causal model's logits: ``prefill`` and ``step`` raise and say to call ``cached`` again.
+
+The same for everything else the capture fixed: plain Python attributes the forward reads (a float scale, a
+causal flag, ``training``, a config dataclass field, a submodule swapped), the weights' dtype and device
+(``model.double()``) raise; weights written in place after a prefill are followed (the next step recomputes
+the sequence with them), as the model as written recomputes every position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -226,3 +232,199 @@ def test_a_run_time_mask_check_reads_its_buffer_again_after_a_write():
     model.mix.tri.fill_(1)
     with pytest.raises(ModelChangedError, match=r"`mix\.tri`.*no longer causal for 2 sequence\(s\) of 5 tokens"):
         _pieces_match(model, c)
+
+
+# ----------------------------------------------------------------------------- the model changed after cached()
+# A CachedLM is the model's forward captured once: Python attributes the forward read are constants of the
+# graph, the K/V rows of the prefix were computed with the weights of the prefill, and every op was captured
+# for the tensors' dtypes and devices. Each test below changed one of these on main, and the CachedLM went
+# on returning other logits than the model as written (figures in the comments) or crashed.
+
+
+class FlagAttention(nn.Module):
+    """Self-attention whose forward reads plain attributes: a causal flag, an optional temperature, an output act."""
+
+    def __init__(self, c: int = 16, heads: int = 2):
+        super().__init__()
+        self.qkv = nn.Linear(c, 3 * c)
+        self.heads = heads
+        self.causal = True
+        self.act = nn.Identity()
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.qkv(x).split(c, dim=2))
+        q = q / getattr(self, "temperature", 1.0)
+        att = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))
+        if self.causal:
+            att = att + torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        y = F.softmax(att, dim=-1) @ v
+        return self.act(y.transpose(1, 2).reshape(b, t, c))
+
+
+@dataclasses.dataclass
+class Extras:
+    logit_bias: float = 0.0
+
+
+class Knobs(NanoGPT):
+    """2-layer nanoGPT (dropout 0.1, built in eval mode) with FlagAttention blocks and a float logit scale."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, block_size=16, dropout=0.1))
+        for block in self.h:
+            block.attn = FlagAttention()
+        self.logit_scale = 1.0
+        self.extras = Extras()
+        self.eval()
+
+    def forward(self, idx):
+        return super().forward(idx) * self.logit_scale + self.extras.logit_bias
+
+
+@pytest.fixture(scope="module")
+def knobs() -> tuple[Knobs, CachedLM]:
+    model = Knobs()
+    return model, cached(model)
+
+
+def _set(obj, name, value):
+    if value is _GONE:
+        delattr(obj, name)
+    else:
+        setattr(obj, name, value)
+
+
+_GONE = object()
+EDITS = {  # (object of the model, attribute, new value, the path the error names); each was served stale on main
+    "float-on-the-model": (lambda m: m, "logit_scale", 3.0, "logit_scale"),  # 3.66
+    "bool-flag-of-a-block": (lambda m: m.h[1].attn, "causal", False, r"h\.1\.attn\.causal"),  # 0.0855
+    "attribute-added": (lambda m: m.h[0].attn, "temperature", 0.5, r"h\.0\.attn\.temperature"),  # read by getattr
+    "config-field": (lambda m: m.extras, "logit_bias", 0.25, r"extras\.logit_bias"),  # a dataclass the model holds
+    "module-replaced": (lambda m: m.h[0].attn, "act", nn.Tanh(), r"h\.0\.attn\.act"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_plain_attributes_the_forward_reads_are_pinned(knobs, edit):
+    model, c = knobs
+    owner, name, value, path = EDITS[edit]
+    obj = owner(model)
+    old = getattr(obj, name, _GONE)
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c.prefill(idx)
+    new = torch.randint(0, VOCAB, (2, 1))
+    seq = torch.cat((idx, new), dim=1)
+    _set(obj, name, value)
+    try:
+        assert (model(seq) - c.graph_module(seq, 0)).abs().max() > 1e-3  # the model as written now differs
+        with pytest.raises(ModelChangedError, match=path + r".*attnopt\.generation\.cached\(model\) again"):
+            c.step(new)
+        with pytest.raises(ModelChangedError, match=path):
+            c.prefill(idx)
+    finally:
+        _set(obj, name, old)
+    _pieces_match(model, c)  # the value restored: the cache serves again
+
+
+def test_an_equal_value_assigned_again_keeps_the_cache(knobs):
+    model, c = knobs
+    model.logit_scale = float("1.0")  # another object, the same value
+    model.h[0].attn.note = torch.zeros(1)  # a tensor attribute the forward does not read (not a plain value)
+    try:
+        _pieces_match(model, c)
+    finally:
+        del model.h[0].attn.note
+
+
+def test_train_mode_after_cached_is_refused_and_eval_resumes(knobs):
+    """Built in eval mode: the model as written applies dropout after .train(), the cache would not."""
+    model, c = knobs
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c.prefill(idx)
+    model.train()
+    try:
+        with pytest.raises(ModelChangedError, match=r"training mode.*dropout.*model\.eval\(\)"):
+            c.step(torch.randint(0, VOCAB, (2, 1)))
+    finally:
+        model.eval()
+    _pieces_match(model, c)
+
+
+@pytest.mark.parametrize("path", ["h.1.attn.qkv.weight", "wte.weight", "lm_head.weight", "h.0.ln_1.bias"])
+def test_weights_written_in_place_after_prefill_are_followed(knobs, path):
+    """The prefix's cached K and V were computed with the old weights; the model as written recomputes every
+    position with the new ones (0.28 for a block's qkv weight, 0.27 for wte.weight on main)."""
+    model, c = knobs
+    weight = model.get_parameter(path)
+    saved = weight.detach().clone()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c.prefill(idx)
+    try:
+        with torch.no_grad():
+            weight.mul_(1.5).add_(0.1)
+        seq = idx
+        for t in (1, 2, 1):  # the first step after the write, then steps over the new cache
+            new = torch.randint(0, VOCAB, (2, t))
+            seq = torch.cat((seq, new), dim=1)
+            torch.testing.assert_close(c.step(new), model(seq)[:, -t:], atol=1e-5, rtol=1e-5)
+        assert c.length == seq.size(1)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    _pieces_match(model, c)
+
+
+def test_a_weight_write_during_a_refused_step_is_followed_once_the_model_is_back(knobs):
+    """Weights written while the model was in training mode (a training step between generations): the refused
+    step must not leave the stale keys and values to the next one."""
+    model, c = knobs
+    weight = model.h[0].attn.qkv.weight
+    saved = weight.detach().clone()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c.prefill(idx)
+    model.train()
+    with torch.no_grad():
+        weight.mul_(1.5)
+    try:
+        with pytest.raises(ModelChangedError, match="training mode"):
+            c.step(idx[:, :1])
+        model.eval()
+        new = torch.randint(0, VOCAB, (2, 2))
+        torch.testing.assert_close(c.step(new), model(torch.cat((idx, new), dim=1))[:, -2:], atol=1e-5, rtol=1e-5)
+    finally:
+        model.eval()
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
+def test_dtype_changes_are_refused(knobs):
+    """``model.double()`` keeps the same tensor objects with other data: on main step() crashed with a dtype
+    mismatch deep in the graph. Now prefill and step raise and say to build the cached model again; converted
+    back, the same dtypes with new data are served exactly. (A device change is detected alike.)"""
+    model, c = knobs
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, VOCAB, (2, 5))
+    try:
+        for convert, what in ((nn.Module.double, "torch.float64"), (nn.Module.bfloat16, "torch.bfloat16")):
+            c.prefill(idx)
+            convert(model)
+            with pytest.raises(ModelChangedError, match=r"converted from torch.float32 on cpu to " + what
+                               + r".*attnopt\.generation\.cached\(model\) again"):
+                c.step(torch.randint(0, VOCAB, (2, 1)))
+            with pytest.raises(ModelChangedError, match=what):
+                c.prefill(idx)
+            model.float().load_state_dict(state)
+        _pieces_match(model, c)
+    finally:
+        model.float().load_state_dict(state)
+
+
+def test_cached_again_after_a_dtype_change_serves_the_new_dtype():
+    model = _nano(n_layer=1).double()
+    c = cached(model)
+    seq = torch.randint(0, VOCAB, (2, 6))
+    out = torch.cat((c.prefill(seq[:, :4]), c.step(seq[:, 4:5]), c.step(seq[:, 5:])), dim=1)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, model(seq), atol=1e-10, rtol=1e-10)
