@@ -245,10 +245,19 @@ class AttentionSite(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                 scale: float | None = None, dropout_p: float | None = None,
-                *guarded: torch.Tensor, filled: torch.Tensor | None = None) -> torch.Tensor:
+                *guarded: torch.Tensor, filled: torch.Tensor | None = None,
+                scale_tensor: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
+        if scale_tensor is not None:
+            # A 0-d tensor scale: folded into q where gradients must reach it, inside a compiled graph
+            # and for float32/float64 q (one rounding, like the product's own); otherwise a half-type q is
+            # not rounded again, and the kernel scales in its own precision, as the code as written does.
+            if _tracing(q) or _needs_grad(scale_tensor) or q.dtype in (torch.float32, torch.float64):
+                q = q * scale_tensor
+            else:
+                scale = scale * float(scale_tensor)
         q, k, v, lead = candidate_layout(q, k, v)
         use_causal = False
         if spec.causal is not None:

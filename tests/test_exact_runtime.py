@@ -485,3 +485,4 @@ def test_a_row_hidden_partly_by_an_added_minimum_and_partly_by_a_fill(variant: s
         grads.append([out.detach(), *torch.autograd.grad((out * out).sum(), (q, k, v))])
     for a, e in zip(*grads):
         torch.testing.assert_close(a, e)
+

@@ -3,11 +3,11 @@
 Matches: the :class:`~attnopt.passes.find_sites.Match` objects that ``find_sites`` proved.
 Emits, before the site's ``P @ V`` node::
 
-    q1   = q * t            # only for 0-d tensor scales, folded into q (keeps gradients to t)
+    q1   = q * t            # only for per-head factor tensors, folded into q (keeps gradients to t)
     k    = kT.transpose(-2, -1)   # only when the product read a pre-transposed K
     mask = ~cond  /  where(cond, -inf, 0.0) + m ...   # the masks, combined for SDPA
     s    = 0.125 * attr_scale        # only for run-time numbers (float module attributes)
-    out  = attnopt_site0(q1, k, v, mask, s, dropout_p, *guarded_buffers)
+    out  = attnopt_site0(q1, k, v, mask, s, dropout_p, *guarded_buffers, scale_tensor=t0)  # t0: 0-d scales
 
 then redirects the users of ``P @ V`` to ``out`` and removes the dead scores, probabilities
 and transposes. The ``AttentionSite`` module is added to the GraphModule, so ``gm.code``
@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..candidates import reference_attention
-from ..canon import attr_value, dtype_of, meta_value
+from ..canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value
 from ..runtime import AttentionSite, BufferGuard, ConditionGuard, _tracing
 from ..site import REWRITTEN
 from .find_sites import Match, reads_only_dtype
@@ -119,8 +119,16 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
     for m in matches:
         with graph.inserting_before(m.output):
             q: fx.Node = m.q
+            scale_tensor: fx.Node | None = None  # 0-d tensor factors, multiplied together
             for factor, how in m.scale_tensors:
-                q = graph.call_function(operator.mul if how == "mul" else operator.truediv, (q, factor))
+                if is_zero_dim_tensor(factor):  # the site applies it (see AttentionSite.forward)
+                    if scale_tensor is None:
+                        scale_tensor = factor if how == "mul" else graph.call_function(operator.truediv, (1.0, factor))
+                    else:
+                        scale_tensor = graph.call_function(operator.mul if how == "mul" else operator.truediv,
+                                                           (scale_tensor, factor))
+                else:  # a per-head factor: folded into q, so gradients still reach it
+                    q = graph.call_function(operator.mul if how == "mul" else operator.truediv, (q, factor))
             k = m.k if m.k is not None else graph.call_method("transpose", (m.k_t, -2, -1))
             mask = _emit_mask(graph, m)
             guards = []
@@ -152,8 +160,10 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             filled = _emit_filled(graph, m) if mask is not None else None
             gm.add_submodule(name, site.train(gm.training))
             v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
-            new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes),
-                                    {"filled": filled} if filled is not None else {})
+            extra = {"filled": filled} if filled is not None else {}
+            if scale_tensor is not None:
+                extra["scale_tensor"] = scale_tensor
+            new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
             if m.v_transposed:
                 new = graph.call_method("transpose", (new, -2, -1))
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
