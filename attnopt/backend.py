@@ -47,6 +47,15 @@ def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     report = _DEFAULT_REPORT if report is None else report
     graph_id = report.graphs
     report.graphs += 1
+    why = random_in_checkpoint(gm)
+    if why is not None:
+        # Run as written, but not on dynamo's eager replay of the checkpoint (see random_in_checkpoint).
+        msg = f"graph {graph_id}: {why}; it runs as written through AOTAutograd, whose replay is exact"
+        report.failures.append(msg)
+        log.info("%s", msg)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
     try:
         new_gm, records = run_pipeline(gm, example_inputs, config, graph_id, selector)
     except Exception as e:  # noqa: BLE001 - never break the user's model; report why instead
@@ -57,6 +66,52 @@ def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         return _finish(gm, example_inputs, config)
     report.records.extend(records)
     return _finish(new_gm, example_inputs, config, fallback=gm)
+
+
+#: Calls that draw random numbers (the eager replay of a checkpoint would draw them again).
+_RANDOM_FUNCTIONS = frozenset(
+    getattr(mod, name) for mod, names in (
+        (torch.nn.functional, ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                               "feature_alpha_dropout", "rrelu", "gumbel_softmax")),
+        (torch, ("dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+                 "bernoulli", "multinomial", "normal", "poisson", "alpha_dropout", "feature_dropout")),
+    ) for name in names if hasattr(mod, name))
+_RANDOM_METHODS = frozenset(("bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+                             "geometric_", "cauchy_", "log_normal_", "multinomial"))
+
+
+def _draws_random(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in _RANDOM_METHODS:
+            return True
+        if node.op == "call_function":
+            if node.target in _RANDOM_FUNCTIONS:
+                return True
+            tags = getattr(node.target, "tags", ())
+            if torch.Tag.nondeterministic_seeded in tags:
+                return True
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), torch.nn.Dropout):
+            return True
+    return any(_draws_random(sub) for sub in gm.children() if isinstance(sub, fx.GraphModule))
+
+
+def random_in_checkpoint(gm: fx.GraphModule) -> str | None:
+    """Why ``gm`` must not run eagerly as captured: activation checkpointing around random ops, else None.
+
+    Dynamo captures ``torch.utils.checkpoint.checkpoint`` as a higher-order op whose body it replays
+    for the backward; run eagerly (any backend that returns the graph's ``forward``, as attnopt does)
+    the replay draws new random numbers, so a dropout inside gets other masks in the backward than in
+    the forward and the gradients are silently wrong (``torch.compile(backend="eager")`` shows the same).
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "checkpoint" not in getattr(node.target, "__name__", ""):
+            continue
+        body = node.args[0] if node.args else None
+        if isinstance(body, fx.Node) and body.op == "get_attr":
+            sub = gm.get_submodule(str(body.target))
+            if isinstance(sub, fx.GraphModule) and _draws_random(sub):
+                return f"activation checkpointing around random ops ({node.format_node()[:60]})"
+    return None
 
 
 def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeConfig,
