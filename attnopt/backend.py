@@ -85,7 +85,7 @@ def _draws_random(gm: fx.GraphModule) -> bool:
         if node.op == "call_method" and node.target in _RANDOM_METHODS:
             return True
         if node.op == "call_function":
-            if node.target in _RANDOM_FUNCTIONS:
+            if node.target in _RANDOM_FUNCTIONS and not _inactive_dropout(node):
                 return True
             tags = getattr(node.target, "tags", ())
             if torch.Tag.nondeterministic_seeded in tags:
@@ -93,6 +93,15 @@ def _draws_random(gm: fx.GraphModule) -> bool:
         if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), torch.nn.Dropout):
             return True
     return any(_draws_random(sub) for sub in gm.children() if isinstance(sub, fx.GraphModule))
+
+
+def _inactive_dropout(node: fx.Node) -> bool:
+    """``F.dropout(x, 0.0, ...)`` or ``F.dropout(x, p, training=False)`` with constants: it draws nothing."""
+    if "dropout" not in getattr(node.target, "__name__", ""):
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+    return (isinstance(p, (int, float)) and p == 0) or training is False
 
 
 def random_in_checkpoint(gm: fx.GraphModule) -> str | None:

@@ -520,3 +520,11 @@ def test_activation_checkpointing_around_dropout_keeps_exact_gradients() -> None
     torch.testing.assert_close(y1, y0)
     torch.testing.assert_close(g1, g0)
     assert any("checkpointing around random ops" in f for f in attnopt.explain(opt).failures)
+
+
+def test_checkpointing_without_active_dropout_is_not_rerouted() -> None:
+    model = CheckpointedDropout().train()
+    model.drop.p = 0.0
+    opt = attnopt.optimize(model)
+    opt(torch.randn(4, 16)).sum().backward()
+    assert not attnopt.explain(opt).failures
