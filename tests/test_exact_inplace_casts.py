@@ -156,18 +156,23 @@ class InplaceOperatorWrite(nn.Module):
         return s.softmax(-1) @ v
 
 
-class InplaceModuleWrite(nn.Module):
-    """An ``inplace=True`` module applied to the bias after the sum read it."""
-
-    def __init__(self):
+class ActOnBias(nn.Module):
+    def __init__(self, act):
         super().__init__()
-        self.act = nn.ReLU(inplace=True)
+        self.act = act
 
     def forward(self, q, k, v, bias):
         b = bias.clone()
         s = q @ kt(k) * C + b
         self.act(b)
         return s.softmax(-1) @ v
+
+
+class InplaceModuleWrite(ActOnBias):
+    """An ``inplace=True`` module applied to the bias after the sum read it."""
+
+    def __init__(self):
+        super().__init__(nn.ReLU(inplace=True))
 
 
 class RepeatKvSourceWritten(nn.Module):
@@ -676,18 +681,6 @@ POSITIONAL_INPLACE = {
     "hardtanh_module": nn.Hardtanh(-.1, .1, inplace=True),
     "leaky_relu_module": nn.LeakyReLU(.5, inplace=True),
 }
-
-
-class ActOnBias(nn.Module):
-    def __init__(self, act):
-        super().__init__()
-        self.act = act
-
-    def forward(self, q, k, v, bias):
-        b = bias.clone()
-        s = q @ kt(k) * C + b
-        self.act(b)
-        return s.softmax(-1) @ v
 
 
 class ActOnK(nn.Module):
