@@ -23,7 +23,7 @@ import torch.nn as nn
 from .backend import attnopt_backend
 from .canon import meta_value
 from .config import OptimizeConfig
-from .pipeline import run_pipeline
+from .pipeline import _copy, run_pipeline
 from .report import Report
 from .runtime import AUTO, AttentionSite
 from .selector import Selector
@@ -183,8 +183,7 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, 
     selector = Selector(memory_budget=config.memory_budget) if config.candidate == AUTO else None
     original = _plain_copy(gm)  # the graph as written, for other signatures (shares gm's parameters)
     pattern = _Pattern.before_proof(gm, example_inputs)
-    with _training_flags_kept(gm):
-        new_gm, records = run_pipeline(gm, example_inputs, config, selector=selector)
+    new_gm, records = run_pipeline(gm, example_inputs, config, selector=selector)
     pattern.after_proof()
     report = Report(records=records, graphs=1)
     new_gm.meta["attnopt_report"] = report
@@ -228,21 +227,10 @@ class RewrittenGraphModule(fx.GraphModule):
 
 
 def _plain_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-    new.meta = {k: v for k, v in getattr(gm, "meta", {}).items() if k != "attnopt_report"}
-    new.training = gm.training
+    new = _copy(gm)
+    new.meta.pop("attnopt_report", None)
     return new
 
-
-@contextlib.contextmanager
-def _training_flags_kept(module: nn.Module) -> Iterator[None]:
-    """The pipeline copies ``gm`` with ``train(gm.training)``; submodules shared with it keep their own mode."""
-    flags = [(m, m.training) for m in module.modules()]
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 class _Unkeyable(Exception):
@@ -537,8 +525,7 @@ class _SignatureGuard:
                 node.meta.pop(k, None)
         graph_id = self.report.graphs
         try:
-            with _training_flags_kept(gm), _training_flags_kept(self.original):
-                new, records = run_pipeline(work, inputs, self.config, graph_id, self.selector)
+            new, records = run_pipeline(work, inputs, self.config, graph_id, self.selector)
         except Exception as e:  # noqa: BLE001 - never break the user's model: run it as written
             msg = f"graph {graph_id}: {type(e).__name__}: {e}"
             self.report.failures.append(msg)

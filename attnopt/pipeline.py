@@ -64,7 +64,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
-    new.train(gm.training)
+    new.training = gm.training  # only the copy's own flag: its submodules are gm's, in their own modes
     return new
 
 
