@@ -12,17 +12,16 @@ Importing attnopt touches no device and compiles nothing.
 from __future__ import annotations
 
 from .api import explain, optimize, rewrite, tune
-from .backend import attnopt_backend, last_report
-from .candidates import candidate_names, get_candidate, register_candidate
 from .config import OptimizeConfig
+from .env import __version__
 from .generation import generate
+from .kernels.registry import candidate_names, get_candidate, register_candidate
 from .kernels.tiled import tiled_attention
-from .profile import profile
-from .report import Report
-from .selector import Selector
-from .site import AttentionSpec, SiteRecord
-
-__version__ = "0.1.0"
+from .pipeline.backend import attnopt_backend, last_report
+from .pipeline.report import Report
+from .profiling.run import profile
+from .selection.selector import Selector
+from .spec import AttentionSpec, SiteRecord
 
 __all__ = [
     "AttentionSpec",

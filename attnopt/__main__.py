@@ -16,7 +16,7 @@ import importlib
 # name -> (module, one-line help); modules are imported only when their command runs.
 _COMMANDS = {
     "demo": ("attnopt.demo", "optimize the built-in NanoGPT and show measured speed, memory and explain()"),
-    "profile": ("attnopt.profile", "time, memory and attention share of a model before and after attnopt, "
+    "profile": ("attnopt.profiling.cli", "time, memory and attention share of a model before and after attnopt, "
                 "over batch sizes and sequence lengths"),
 }
 

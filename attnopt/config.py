@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .candidates import candidate_names
-from .selector import parse_bytes
+from .env import EAGER, VARIANTS, parse_bytes
+from .kernels.registry import candidate_names
 
-VARIANTS = ("auto", "sdpa", "eager")
+
+def accepted_variants() -> list[str]:
+    """Every value ``variant=`` accepts: ``auto``, ``sdpa``, ``eager`` and each registered candidate."""
+    return list(VARIANTS) + [c for c in candidate_names() if c not in VARIANTS]
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,7 @@ class OptimizeConfig:
         variant: ``"auto"`` (the profile-guided selector: every legal candidate is timed on
             the device for the real shapes and the fastest within ``memory_budget`` is kept),
             ``"sdpa"`` (force SDPA), ``"eager"`` (rewrite nothing: an A/B baseline), or the
-            name of any registered candidate (``attnopt.candidates.candidate_names()``).
+            name of any registered candidate (``attnopt.candidate_names()``).
         compile: hand the rewritten graph to Inductor instead of running it eagerly.
         verify: run original and rewritten graph on the first inputs and drop any rewrite
             whose outputs differ beyond the dtype's tolerance.
@@ -32,7 +35,7 @@ class OptimizeConfig:
     memory_budget: int | str | None = None
 
     def __post_init__(self) -> None:
-        accepted = list(VARIANTS) + [c for c in candidate_names() if c not in VARIANTS]
+        accepted = accepted_variants()
         if not isinstance(self.variant, str) or self.variant not in accepted:
             raise ValueError(f"unknown variant {self.variant!r}; accepted values: {', '.join(map(repr, accepted))}")
         for name in ("compile", "verify"):
@@ -46,6 +49,6 @@ class OptimizeConfig:
     @property
     def candidate(self) -> str | None:
         """Candidate every provable site gets, or None to rewrite nothing."""
-        if self.variant == "eager":
+        if self.variant == EAGER:
             return None
         return self.variant

@@ -49,9 +49,9 @@ def run_demo(seq_len: int = 1024, batch_size: int = 1, layers: int = 4, heads: i
     """Optimize a NanoGPT, measure it against the model as written, print the results; return them."""
     from tabulate import tabulate
 
-    import attnopt
-    from attnopt.measure import peak_memory, time_alternating
-    from attnopt.models import GPTConfig, NanoGPT
+    from .api import explain, optimize
+    from .models import GPTConfig, NanoGPT
+    from .selection.measure import peak_memory, time_alternating
 
     problem = check_options(seq_len=seq_len, batch_size=batch_size, layers=layers, heads=heads, embd=embd,
                             repeats=repeats)
@@ -65,7 +65,7 @@ def run_demo(seq_len: int = 1024, batch_size: int = 1, layers: int = 4, heads: i
     print(f"NanoGPT: {layers} layers, {heads} heads, width {embd}, batch {batch_size} x {seq_len} tokens, "
           f"fp32, CPU, torch threads={torch.get_num_threads()}, torch {torch.__version__}", flush=True)
 
-    opt = attnopt.optimize(model)
+    opt = optimize(model)
     with torch.no_grad():
         before_out = model(idx)
         after_out = opt(idx)  # captures and rewrites the graph
@@ -77,7 +77,7 @@ def run_demo(seq_len: int = 1024, batch_size: int = 1, layers: int = 4, heads: i
     mem_before = peak_memory(model, idx)
     mem_after = peak_memory(opt, idx)
 
-    report = attnopt.explain(opt)
+    report = explain(opt)
     chosen = Counter(r.rewrite for r in report.records if r.rewritten)
     t0, t1 = times["as written"], times["attnopt"]
     rows = [

@@ -37,8 +37,8 @@ import torch
 from tabulate import tabulate
 
 import attnopt
-from attnopt.measure import peak_memory, time_alternating
 from attnopt.models import CausalSelfAttention, GPTConfig, SDPACausalSelfAttention
+from attnopt.selection.measure import peak_memory, time_alternating
 
 VARIANTS = ("eager", "compile", "sdpa", "attnopt")
 MEM_VARIANTS = ("eager", "sdpa", "attnopt")

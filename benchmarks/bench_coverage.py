@@ -24,7 +24,7 @@ Every variant's output is compared with eager (max abs difference; logits for th
 For every T, dynamo's caches are reset and every optimized variant is built afresh. The tuning cache
 lives in a fresh temporary ``ATTNOPT_CACHE_DIR``, so ``attnopt`` (auto) tunes in its first call, which
 is untimed (its duration is reported). Timings are medians of alternating runs in this one process
-(``attnopt.measure.time_alternating``); ratios are ``time(reference) / time(variant)`` (above 1: the
+(``attnopt.selection.measure.time_alternating``); ratios are ``time(reference) / time(variant)`` (above 1: the
 variant is faster). Results go to ``benchmarks/results/coverage.json`` and ``coverage.md``.
 """
 
@@ -52,7 +52,7 @@ from bench_core import cpu_name, fmt, ratio, write_atomic
 from tabulate import tabulate
 
 import attnopt
-from attnopt.measure import peak_memory, time_alternating
+from attnopt.selection.measure import peak_memory, time_alternating
 
 SECTIONS = ("window", "softcap", "hf")
 FORCED = {"window": ("sdpa", "tiled128", "flex"), "softcap": ("flex", "tiled128", "math")}

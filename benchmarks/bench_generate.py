@@ -11,7 +11,7 @@ fp32, eval, CPU, random weights. Variants (same model, same prompt):
 * ``cached``  ``attnopt.generate`` with a ``CachedLM`` built once (capture time is reported separately)
 * ``compiled`` the same with ``cached(model, compile=True)`` (Inductor; compile time reported separately)
 
-Whole generations are timed in alternation (``attnopt.measure.time_alternating``: plain, cached, plain,
+Whole generations are timed in alternation (``attnopt.selection.measure.time_alternating``: plain, cached, plain,
 cached, ...) after one untimed warm-up round each, and the medians are compared as ``time(plain) /
 time(cached)``. Then one decode step is timed at several positions: the cached step (one token attending to
 the cache; median over ``--rounds`` instrumented generations and a window of 9 steps around the position)
@@ -41,8 +41,8 @@ from tabulate import tabulate
 
 import attnopt
 from attnopt.generation import cached, generate, generate_plain
-from attnopt.measure import time_alternating
 from attnopt.models import GPTConfig, NanoGPT
+from attnopt.selection.measure import time_alternating
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,11 +40,11 @@ import torch
 from tabulate import tabulate
 
 import attnopt
-from attnopt.candidates import reference_attention
-from attnopt.measure import peak_memory, time_alternating
+from attnopt.kernels.reference import reference_attention
 from attnopt.models import CausalSelfAttention, GPTConfig
-from attnopt.selector import Selector
-from attnopt.site import AttentionSpec
+from attnopt.selection.measure import peak_memory, time_alternating
+from attnopt.selection.selector import Selector
+from attnopt.spec import AttentionSpec
 
 MATERIALISING = {"math", "sdpa_math"}  # candidates that hold the (B, H, T, T) scores
 

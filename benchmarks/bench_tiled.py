@@ -16,9 +16,9 @@ upstream gradient (``torch.autograd.grad``). Variants are the registered candida
 
 For every T the first step of each variant is untimed: it checks outputs and gradients against
 ``math`` and counts the block pairs the tiled variants compute. Then ``--repeats`` rounds each run
-every variant once, in turn (``attnopt.measure.time_alternating``); the tables show medians and the
+every variant once, in turn (``attnopt.selection.measure.time_alternating``); the tables show medians and the
 ratios ``time(math) / time(variant)`` and ``time(sdpa) / time(variant)`` (above 1: the variant is
-faster). Peak memory is the peak live tensor memory of one step (``attnopt.measure.peak_memory``:
+faster). Peak memory is the peak live tensor memory of one step (``attnopt.selection.measure.peak_memory``:
 profiler allocation records on CPU), the gradients it returns included, q/k/v excluded.
 Results go to ``benchmarks/results/tiled.md``.
 """
@@ -39,9 +39,9 @@ from bench_core import cpu_name, write_atomic
 from tabulate import tabulate
 
 import attnopt
-from attnopt.candidates import get_candidate
+from attnopt.kernels.registry import get_candidate
 from attnopt.kernels.tiled import count_blocks
-from attnopt.measure import peak_memory, time_alternating
+from attnopt.selection.measure import peak_memory, time_alternating
 
 VARIANTS = ("math", "sdpa", "tiled64", "tiled128", "tiled256")
 MEMORY_TARGET = 0.1  # tiled / math peak memory at the longest T

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import attnopt
-from attnopt.measure import time_alternating
 from attnopt.models import GPTConfig, NanoGPT
+from attnopt.selection.measure import time_alternating
 
 
 def main() -> None:

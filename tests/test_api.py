@@ -17,7 +17,7 @@ from support import capture
 
 import attnopt
 from attnopt.models import CausalSelfAttention, GPTConfig, NanoGPT
-from attnopt.runtime import AttentionSite
+from attnopt.runtime.site import AttentionSite
 
 CFG = GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
@@ -258,7 +258,8 @@ def test_verify_keeps_exact_rewrites_and_drops_wrong_ones(monkeypatch):
     assert attnopt.explain(opt).records[0].extra.get("verified") is True
 
     # A candidate that is wrong must be caught by verify and dropped with a warning.
-    from attnopt.candidates import _REGISTRY, FunctionCandidate, reference_attention
+    from attnopt.kernels.reference import reference_attention
+    from attnopt.kernels.registry import _REGISTRY, FunctionCandidate
 
     def wrong(q, k, v, **kw):
         return reference_attention(q, k, v, **kw) * 1.5
@@ -274,7 +275,7 @@ def test_verify_keeps_exact_rewrites_and_drops_wrong_ones(monkeypatch):
 
 
 def test_failing_candidate_falls_back_with_warning(monkeypatch):
-    from attnopt.candidates import _REGISTRY, FunctionCandidate
+    from attnopt.kernels.registry import _REGISTRY, FunctionCandidate
 
     def broken(q, k, v, **kw):
         raise RuntimeError("kernel unavailable")
@@ -289,7 +290,7 @@ def test_failing_candidate_falls_back_with_warning(monkeypatch):
 
 
 def test_pipeline_failure_runs_graph_as_written(monkeypatch):
-    import attnopt.pipeline as pipeline
+    import attnopt.pipeline.optimize as pipeline
 
     def boom(*a, **k):
         raise RuntimeError("matcher exploded")

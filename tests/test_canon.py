@@ -1,4 +1,4 @@
-"""Unit tests of :mod:`attnopt.canon`: every spelling family reads to one kind with canonical args."""
+"""Unit tests of :mod:`attnopt.passes.canon`: every spelling family reads to one kind with canonical args."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnopt.canon import Op, parse_einsum_product, read
+from attnopt.passes.canon import Op, parse_einsum_product, read
 
 
 def dynamo_graph(fn, *inputs) -> fx.GraphModule:
@@ -355,7 +355,7 @@ def test_inplace_methods_read_as_their_functional_kind() -> None:
 
 
 def test_functionalize_inplace_points_later_uses_at_the_inplace_node() -> None:
-    from attnopt.canon import functionalize_inplace
+    from attnopt.passes.canon import functionalize_inplace
 
     def f(q, k):
         s = q @ k.transpose(-2, -1)
@@ -373,7 +373,7 @@ def test_functionalize_inplace_points_later_uses_at_the_inplace_node() -> None:
 
 
 def test_functionalize_inplace_leaves_tensors_read_before_the_mutation() -> None:
-    from attnopt.canon import functionalize_inplace
+    from attnopt.passes.canon import functionalize_inplace
 
     def f(q, k):
         s = q @ k.transpose(-2, -1)

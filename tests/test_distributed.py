@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnopt.distributed import agree
+from attnopt.selection.distributed import agree
 
 
 def _record_call(calls: list[str], name: str, rank: int) -> None:

@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import attnopt
-from attnopt.runtime import AttentionSite
+from attnopt.runtime.site import AttentionSite
 
 
 def _same(new: nn.Module, ref: nn.Module, *inputs: torch.Tensor, **kw: torch.Tensor) -> None:
@@ -170,9 +170,9 @@ def test_deepcopy_keeps_the_signature_guard():
 
 
 def test_beyond_the_signature_bound_the_graph_runs_as_written(monkeypatch):
-    import attnopt.api as api
+    import attnopt.pipeline.rewritten as rewritten
 
-    monkeypatch.setattr(api, "_MAX_SIGNATURES", 1)
+    monkeypatch.setattr(rewritten, "MAX_SIGNATURES", 1)
     gm = fx.symbolic_trace(ScaleFromSize())
     new = attnopt.rewrite(gm, _randn(*[(1, 2, 4, 16)] * 3), variant="sdpa")
     for d in (32, 8, 4, 32):
@@ -231,7 +231,7 @@ def test_a_proof_that_reads_a_concrete_size_of_a_symbolic_graph_is_kept_to_that_
     """A proof that specialises a symbol (a guard added to the shape environment) holds at that size only."""
     from torch.export import Dim
 
-    import attnopt.pipeline as pipeline
+    import attnopt.pipeline.optimize as pipeline
 
     real = pipeline.find_sites
 
@@ -518,9 +518,9 @@ def test_explain_restores_generators_and_numpy_arrays_held_by_the_model():
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
 def test_explain_warns_about_state_above_the_copy_budget(monkeypatch):
-    import attnopt.api as api
+    import attnopt.pipeline.snapshot as snapshot
 
-    monkeypatch.setattr(api, "_EXPLAIN_STATE_COPY_LIMIT", 100)  # cache_k is 1 KiB
+    monkeypatch.setattr(snapshot, "EXPLAIN_STATE_COPY_LIMIT", 100)  # cache_k is 1 KiB
     model = KVCacheAttribute()
     with pytest.warns(UserWarning, match=r"cache_k"):
         attnopt.explain(model, *_randn(*[(2, 2, 5, 8)] * 3))

@@ -604,7 +604,7 @@ def test_a_cast_to_the_dtype_the_scores_already_have_stays_transparent() -> None
 
 
 def test_convert_scalar_follows_torch() -> None:
-    from attnopt.canon import convert_scalar
+    from attnopt.passes.canon import convert_scalar
 
     cases = [(0.5, torch.int64), (-0.5, torch.int32), (1.9, torch.int8), (-1.9, torch.int16), (256, torch.uint8),
              (128, torch.int8), (-129, torch.int8), (0.5, torch.bool), (0, torch.bool), (True, torch.float16),
@@ -620,7 +620,7 @@ def test_convert_scalar_follows_torch() -> None:
 
 
 def test_holds_exactly() -> None:
-    from attnopt.canon import holds_exactly
+    from attnopt.passes.canon import holds_exactly
 
     f16, bf16, f32, f64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
     assert all(holds_exactly(w, n) for w, n in [(f32, f16), (f32, bf16), (f64, f32), (f32, f32), (f64, bf16)])
@@ -713,7 +713,7 @@ def test_an_inplace_flag_that_is_false_is_not_a_write() -> None:
 
 
 def test_inplace_parameter_found_by_signature() -> None:
-    from attnopt.canon import inplace_flag
+    from attnopt.passes.canon import inplace_flag
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -786,7 +786,7 @@ def test_torch_tensor_split_of_an_input_written_later() -> None:
 
 
 def test_unknown_ops_may_alias_and_known_fresh_ones_do_not() -> None:
-    from attnopt.canon import may_alias
+    from attnopt.passes.canon import may_alias
 
     g = fx.Graph()
     x, y = g.placeholder("x"), g.placeholder("y")

@@ -18,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import attnopt
-from attnopt import candidates
-from attnopt.candidates import FunctionCandidate, reference_attention
+from attnopt.kernels import registry, sdpa
+from attnopt.kernels.reference import reference_attention
+from attnopt.kernels.registry import FunctionCandidate
 from attnopt.kernels.tiled import tiled_attention
 
 B, H, T, D = 2, 2, 8, 8
@@ -89,7 +90,7 @@ def test_a_mask_argument_made_in_inference_mode() -> None:
 
 
 def test_a_mask_argument_is_checked_per_call_with_compile_true() -> None:
-    if candidates.get_candidate("flex").available("cpu") is not None:  # same requirement: a C++ compiler
+    if registry.get_candidate("flex").available("cpu") is not None:  # same requirement: a C++ compiler
         pytest.skip("compile=True needs a C++ compiler")
     model = MaskArg()
     opt = attnopt.optimize(model, variant="sdpa", compile=True)
@@ -145,7 +146,8 @@ def test_a_buffer_deleted_and_registered_again_is_checked_on_its_values() -> Non
 
 
 def test_buffer_guard_pins_the_object_not_the_address() -> None:
-    from attnopt.runtime import BufferGuard, band_pattern
+    from attnopt.kernels.bands import band_pattern
+    from attnopt.runtime.guards import BufferGuard
 
     t = torch.ones(T, T).tril()
     g = BufferGuard.of(t, *band_pattern(t))
@@ -178,15 +180,15 @@ def test_strict_mode_rechecks_a_buffer_written_through_data(monkeypatch: pytest.
 
 
 def _wrong(q, k, v, **kwargs):
-    return candidates._sdpa(q, k, v, **kwargs) + 0.5
+    return sdpa._sdpa(q, k, v, **kwargs) + 0.5
 
 
 @pytest.fixture
 def wrong_candidate():
-    cand = FunctionCandidate("wrong_for_test", _wrong, candidates._sdpa_supports, "a deliberately wrong kernel")
-    candidates.register_candidate(cand)
+    cand = FunctionCandidate("wrong_for_test", _wrong, sdpa._sdpa_supports, "a deliberately wrong kernel")
+    registry.register_candidate(cand)
     yield cand.name
-    candidates._REGISTRY.pop(cand.name, None)
+    registry._REGISTRY.pop(cand.name, None)
 
 
 class Causal(nn.Module):
@@ -459,7 +461,7 @@ def test_dropout_on_rows_every_key_masked_is_random_as_written() -> None:
 
 def test_no_dropout_keeps_the_mean_of_v_rows_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without dropout or gradients, fully masked rows are the mean of v next to the fused kernel."""
-    from attnopt.runtime import AttentionSite
+    from attnopt.runtime.site import AttentionSite
 
     def never(*args, **kwargs):
         raise AssertionError("the computation as written ran; the fast path was expected")

@@ -105,7 +105,7 @@ from hypothesis.stateful import (
 )
 
 import attnopt
-from attnopt.passes.verify import tolerance
+from attnopt.kernels.reference import tolerance
 
 DEV = os.environ.get("ATTNOPT_HYPOTHESIS") == "dev"
 EXAMPLES = int(os.environ.get("ATTNOPT_FUZZ_EXAMPLES", 30 if DEV else 4))  # sequences per mask spelling

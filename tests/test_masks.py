@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from support import capture
 
 import attnopt
-import attnopt.candidates as candidates
-from attnopt.candidates import FunctionCandidate
+from attnopt.kernels import registry
+from attnopt.kernels.registry import FunctionCandidate
 from attnopt.passes.find_sites import Match, find_sites
 from attnopt.passes.masks import Band, BandReader, MaskPlan
 
@@ -28,13 +28,13 @@ CALLS: list[dict] = []
 
 def _spy(q, k, v, **kwargs):
     CALLS.append(kwargs)
-    return candidates.get_candidate("sdpa")(q, k, v, **kwargs)
+    return registry.get_candidate("sdpa")(q, k, v, **kwargs)
 
 
 @pytest.fixture(autouse=True)
 def spy_candidate(monkeypatch: pytest.MonkeyPatch):
     """A candidate ``spy`` that records the SDPA keyword arguments of every call."""
-    monkeypatch.setitem(candidates._REGISTRY, "spy", FunctionCandidate("spy", _spy, lambda spec: None))
+    monkeypatch.setitem(registry._REGISTRY, "spy", FunctionCandidate("spy", _spy, lambda spec: None))
     CALLS.clear()
     yield
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from attnopt.__main__ import main
-from attnopt.profile import profile
-from attnopt.profile_measure import causal_entries, is_oom
-from attnopt.profile_report import REPORT_SCHEMA, plot
+from attnopt.profiling.measure import causal_entries, is_oom
+from attnopt.profiling.report import REPORT_SCHEMA, plot
+from attnopt.profiling.run import profile
 
 # the module, not the function the package exports under the same name
-profile_module = importlib.import_module("attnopt.profile")
+profile_module = importlib.import_module("attnopt.profiling.run")
 
 # A tiny causal LM in a user's own file: one attention layer, width 16, 2 heads; `build_failing`'s model
 # refuses sequences longer than 16 tokens, so one point of a sweep fails.
@@ -125,7 +125,7 @@ def test_cli_nanogpt_writes_valid_report_plots_table_and_summary(tmp_path, capsy
 
 
 def test_api_on_a_user_file_factory(factory, tmp_path):
-    from attnopt.measure import peak_memory
+    from attnopt.selection.measure import peak_memory
 
     out = tmp_path / "prof"
     report = profile(f"{factory}:build", batch_sizes=(2,), seq_lens=(8, 16), variants=("eager", "math"),
@@ -142,7 +142,7 @@ def test_api_on_a_user_file_factory(factory, tmp_path):
         assert any(e.get("name") == "attnopt::site0" for e in trace["traceEvents"])
         assert r["roofline_ratio"] == pytest.approx(
             r["attention_flops"] / r["attention_s"] / report["environment"]["matmul"]["flops_per_s"])
-    # the eager peak is the definition attnopt.measure uses, on the model as written
+    # the eager peak is the definition attnopt.selection.measure uses, on the model as written
     sys.path.insert(0, str(factory.parent))
     try:
         import my_model
@@ -318,7 +318,7 @@ def test_cuda_ranges_read_kernel_time_and_idle_gaps_from_profiler_events():
 
     from torch.autograd import DeviceType
 
-    from attnopt.profile_measure import FORWARD_RANGE, _read_ranges
+    from attnopt.profiling.measure import FORWARD_RANGE, _read_ranges
 
     def kernel(start, end, annotation=False):
         return SimpleNamespace(device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end),

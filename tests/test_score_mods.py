@@ -2,7 +2,7 @@
 
 A score modifier is an elementwise function between the product and the softmax, such as
 tanh soft-capping ``c * tanh(s / c)``. The matcher reads it into an
-:class:`~attnopt.site.ElementwiseScoreMod` (FlexAttention's signature); SDPA cannot apply it,
+:class:`~attnopt.spec.ElementwiseScoreMod` (FlexAttention's signature); SDPA cannot apply it,
 so the site is left alone under ``variant="sdpa"`` and rewritten for candidates that take
 ``score_mod=`` (``flex``, ``math``, the tiled kernels), with outputs and gradients equal to the
 original's.
@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from support import capture
 
 import attnopt
-from attnopt.candidates import get_candidate, reference_attention
 from attnopt.kernels import flex as flex_mod
-from attnopt.site import AttentionSpec, ElementwiseScoreMod
+from attnopt.kernels.reference import reference_attention
+from attnopt.kernels.registry import get_candidate
+from attnopt.spec import AttentionSpec, ElementwiseScoreMod
 
 B, H, T, D = 2, 2, 8, 8
 CAP = 5.0

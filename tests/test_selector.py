@@ -15,11 +15,13 @@ import torch
 import torch.nn as nn
 
 import attnopt
-from attnopt import candidates as cand_mod
-from attnopt.candidates import FunctionCandidate, reference_attention
-from attnopt.selector import Call, Selector, parse_bytes, shape_key
-from attnopt.site import AttentionSpec
-from attnopt.tuning_cache import TuningCache
+from attnopt.env import parse_bytes
+from attnopt.kernels import registry as cand_mod
+from attnopt.kernels.reference import reference_attention
+from attnopt.kernels.registry import FunctionCandidate
+from attnopt.selection.cache import TuningCache
+from attnopt.selection.selector import Call, Selector, shape_key
+from attnopt.spec import AttentionSpec
 
 
 class FakeClock:

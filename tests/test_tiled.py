@@ -8,11 +8,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnopt
-from attnopt.candidates import candidate_names, get_candidate, reference_attention
+from attnopt.kernels.reference import reference_attention
+from attnopt.kernels.registry import candidate_names, get_candidate
 from attnopt.kernels.tiled import count_blocks, tiled_attention
-from attnopt.measure import peak_memory
 from attnopt.models import CausalSelfAttention, GPTConfig
-from attnopt.site import AttentionSpec
+from attnopt.selection.measure import peak_memory
+from attnopt.spec import AttentionSpec
 
 
 def softcap(score, b, h, q_idx, kv_idx):

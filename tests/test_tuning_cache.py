@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attnopt
-from attnopt.tuning_cache import TuningCache, TuningEntry, default_cache_dir, environment
+from attnopt.selection.cache import TuningCache, TuningEntry, default_cache_dir, environment
 
 SHAPE = {"B": 2, "H": 4, "Tq": 16, "Tk": 16, "D": 8, "dtype": torch.float32, "mask": "causal"}
 CANDIDATES = ["sdpa", "math"]
@@ -76,7 +76,7 @@ def _other_candidates(mp: pytest.MonkeyPatch) -> tuple[dict, list[str]]:
 
 
 def _other_attnopt(mp: pytest.MonkeyPatch) -> tuple[dict, list[str]]:
-    mp.setattr(attnopt, "__version__", "999.0.0")
+    mp.setattr(attnopt.env, "__version__", "999.0.0")  # the one source of the version
     return SHAPE, CANDIDATES
 
 

@@ -17,8 +17,9 @@ import torch.nn as nn
 from support import capture
 
 import attnopt
-import attnopt.candidates as candidates
-from attnopt.candidates import FunctionCandidate, window_keep
+from attnopt.kernels import reference, registry
+from attnopt.kernels.bands import window_keep
+from attnopt.kernels.registry import FunctionCandidate
 from attnopt.kernels.tiled import count_blocks
 from attnopt.passes.find_sites import Match, find_sites
 from attnopt.passes.masks import BandReader
@@ -29,14 +30,14 @@ CALLS: list[dict] = []
 
 def _spy(q, k, v, **kwargs):
     CALLS.append(dict(kwargs))
-    return candidates.reference_attention(q, k, v, **kwargs)
+    return reference.reference_attention(q, k, v, **kwargs)
 
 
 @pytest.fixture(autouse=True)
 def spy_candidate(monkeypatch: pytest.MonkeyPatch):
     """``spy`` records the keywords a windowed candidate receives; ``spy_sdpa`` those an SDPA-like one gets."""
-    monkeypatch.setitem(candidates._REGISTRY, "spy", FunctionCandidate("spy", _spy, lambda s: None, windowed=True))
-    monkeypatch.setitem(candidates._REGISTRY, "spy_sdpa", FunctionCandidate("spy_sdpa", _spy, lambda s: None))
+    monkeypatch.setitem(registry._REGISTRY, "spy", FunctionCandidate("spy", _spy, lambda s: None, windowed=True))
+    monkeypatch.setitem(registry._REGISTRY, "spy_sdpa", FunctionCandidate("spy_sdpa", _spy, lambda s: None))
     CALLS.clear()
     torch._dynamo.reset()
     yield
@@ -186,9 +187,9 @@ def test_tiled_kernel_skips_blocks_outside_the_window() -> None:
     from attnopt.kernels.tiled import tiled_attention
 
     q, k, v = (torch.randn(1, 1, 64, 8) for _ in range(3))
-    out = candidates.get_candidate("tiled64")(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True,
+    out = registry.get_candidate("tiled64")(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True,
                                               scale=0.3, enable_gqa=False, window=W)
-    expected = candidates.reference_attention(q, k, v, attn_mask=window_keep(64, 64, W, "cpu"), scale=0.3)
+    expected = reference.reference_attention(q, k, v, attn_mask=window_keep(64, 64, W, "cpu"), scale=0.3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     with count_blocks() as n:
         small = tiled_attention(q, k, v, is_causal=True, window=W, scale=0.3, block_q=8, block_k=8)
@@ -295,8 +296,8 @@ class SoftcapWindow(nn.Module):
 def test_softcap_with_window_runs_flex_with_a_window_block_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     from attnopt.kernels import flex
 
-    if candidates.get_candidate("flex").available("cpu") is not None:
-        pytest.skip(candidates.get_candidate("flex").available("cpu"))
+    if registry.get_candidate("flex").available("cpu") is not None:
+        pytest.skip(registry.get_candidate("flex").available("cpu"))
     built = []
     original = flex.create_block_mask
 
@@ -330,11 +331,11 @@ def test_softcap_with_window_is_exact_with_gradients(variant: str) -> None:
 
 
 def test_selector_tries_flex_for_windows_although_sdpa_serves() -> None:
-    from attnopt.selector import Selector
-    from attnopt.site import AttentionSpec
+    from attnopt.selection.selector import Selector
+    from attnopt.spec import AttentionSpec
 
-    if candidates.get_candidate("flex").available("cpu") is not None:
-        pytest.skip(candidates.get_candidate("flex").available("cpu"))
+    if registry.get_candidate("flex").available("cpu") is not None:
+        pytest.skip(registry.get_candidate("flex").available("cpu"))
     sel = Selector(cache=False)
     legal, why = sel.legal(AttentionSpec(scale=1.0, causal="top_left", window=4), "cpu")
     assert "flex" in legal and "sdpa" in legal and "tiled64" in legal

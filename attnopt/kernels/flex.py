@@ -15,7 +15,7 @@ e.g. tanh soft-capping ``c * tanh(s / c)``), with FlexAttention's signature
 The compiled kernel is made once (``torch.compile(flex_attention)``; dynamo caches one
 specialisation per shape). Inside a graph being compiled (``optimize(compile=True)``) the
 uncompiled function is called and Inductor fuses it. FlexAttention in this torch has no
-backward on CPU: a CPU call that needs gradients runs :func:`attnopt.candidates.reference_attention`,
+backward on CPU: a CPU call that needs gradients runs :func:`attnopt.kernels.reference.reference_attention`,
 the same function written out, so gradients stay exact (and slow).
 
 Example::
@@ -37,8 +37,10 @@ from typing import Any
 
 import torch
 
-from ..candidates import ScoreMod, in_window, reference_attention, register_candidate
-from ..site import AttentionSpec
+from ..spec import AttentionSpec
+from .bands import in_window
+from .reference import reference_attention
+from .registry import ScoreMod, register_candidate
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

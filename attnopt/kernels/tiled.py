@@ -68,8 +68,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..candidates import FunctionCandidate, ScoreMod, register_candidate
-from ..site import AttentionSpec
+from ..spec import AttentionSpec
+from .registry import FunctionCandidate, ScoreMod, register_candidate
 
 __all__ = ["count_blocks", "tiled_attention"]
 

@@ -1,7 +1,7 @@
 """Find attention sites: prove that a softmax computes ``softmax(scale * q @ k^T + mask) @ v``.
 
 Matches, for every softmax node, the chain around it in the canonical vocabulary of
-:mod:`attnopt.canon`::
+:mod:`attnopt.passes.canon`::
 
     product = q @ kT                          (matmul / bmm / einsum, K pre-transposed or not)
     scores  = product (* or / scalar)*        (scale after the product; a scale on q stays on q)
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..canon import (
+from ..spec import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, Refusal, SiteRecord
+from .canon import (
     Op,
     alias_group,
     dtype_of,
@@ -50,8 +51,7 @@ from ..canon import (
     shape_of,
     writes,
 )
-from ..site import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, SiteRecord
-from .masks import Add, Fill, MaskPlan, _neg_large, _same, plan_mask
+from .masks import Add, Fill, MaskPlan, neg_large, plan_mask, same
 
 
 @dataclass
@@ -76,12 +76,8 @@ class Match:
     v_transposed: bool = False  # the site wrote ``v^T @ P^T``: v is [.., Dv, Tk], the output [.., Dv, Tq]
 
 
-class NearMiss(Exception):
+class NearMiss(Refusal):
     """A softmax that is not (provably) attention; ``str(e)`` says which condition failed."""
-
-    def __init__(self, reason: str, decision: str = LEFT_ALONE):
-        super().__init__(reason)
-        self.decision = decision
 
 
 def place_of(node: fx.Node) -> tuple[str, str]:
@@ -411,17 +407,17 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
         raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; "  # type: ignore
                        "equal ranks of 2 to 4 are rewritten")
     tq, tk = q_shape[-2], key_shape[-2]  # type: ignore[index]
-    if not _same(v_shape[-2], tk):  # type: ignore[index]
+    if not same(v_shape[-2], tk):  # type: ignore[index]
         raise NearMiss("the values' sequence axis does not match the keys'")
-    if not (_same(s_shape[-2], tq) and _same(s_shape[-1], tk)):
+    if not (same(s_shape[-2], tq) and same(s_shape[-1], tk)):
         raise NearMiss("the scores are broadcast to a larger shape than q @ k^T")
 
     gqa = False
     k_src, v_src = k, v
-    heads_differ = not all(_same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
-        not all(_same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2]))  # type: ignore[index]
-    if heads_differ and len(q_shape) == 4 and _same(q_shape[0], key_shape[0]) and _same(q_shape[0], v_shape[0]) \
-            and _same(key_shape[1], 1) and _same(v_shape[1], 1):  # type: ignore[index]
+    heads_differ = not all(same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
+        not all(same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2]))  # type: ignore[index]
+    if heads_differ and len(q_shape) == 4 and same(q_shape[0], key_shape[0]) and same(q_shape[0], v_shape[0]) \
+            and same(key_shape[1], 1) and same(v_shape[1], 1):  # type: ignore[index]
         gqa = True  # one key/value head broadcast against every query head: enable_gqa with Hkv = 1
         record.spelling.append("one kv head (broadcast)")
     elif heads_differ:
@@ -429,10 +425,10 @@ def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.T
                        f"v {list(v_shape[:-2])} differ (broadcast inside the product)")
     elif len(q_shape) == 4 and k is not None and not v_transposed:  # type: ignore[arg-type]
         (k0, how_k), (v0, how_v) = _kv_source(gm, k), _kv_source(gm, v)
-        if k0 is not None and v0 is not None and _same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore
+        if k0 is not None and v0 is not None and same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore
             k_src, v_src, gqa = k0, v0, True
             record.spelling.append(how_k if how_k == how_v else f"{how_k}/{how_v}")
-    if not (_same(out_shape[-2], tq) and _same(out_shape[-1], v_shape[-1])):  # type: ignore[index]
+    if not (same(out_shape[-2], tq) and same(out_shape[-1], v_shape[-1])):  # type: ignore[index]
         raise NearMiss("the output shape is not [..., Tq, Dv]")
 
     # ---- masks
@@ -666,7 +662,7 @@ def _check_no_write_before_site(gm: fx.GraphModule, m: Match) -> None:
 def _same_shape(a: Any, b: Any) -> bool:
     """Shapes provably equal (symbolic sizes compared without adding guards)."""
     sa, sb = shape_of(a), shape_of(b)
-    return sa is not None and sb is not None and len(sa) == len(sb) and all(_same(x, y) for x, y in zip(sa, sb))
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(same(x, y) for x, y in zip(sa, sb))
 
 
 def _t_shape(s: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
@@ -765,9 +761,9 @@ def _per_row_block_factor(factor: Any, scores: fx.Node) -> bool:
     dt = dtype_of(factor)
     if not isinstance(factor, fx.Node) or fs is None or ss is None or len(fs) < 2 or len(fs) > len(ss):
         return False
-    if dt is None or dt != dtype_of(scores) or not (_same(fs[-1], 1) and _same(fs[-2], 1)):
+    if dt is None or dt != dtype_of(scores) or not (same(fs[-1], 1) and same(fs[-2], 1)):
         return False  # (a factor of another dtype would promote the scores)
-    return all(_same(a, 1) or _same(a, b) for a, b in zip(reversed(fs), reversed(ss)))
+    return all(same(a, 1) or same(a, b) for a, b in zip(reversed(fs), reversed(ss)))
 
 
 def _baddbmm_terms(op: Op, chain: list[tuple[str, Any]], record: SiteRecord) -> None:
@@ -805,7 +801,7 @@ def _scaled_mask(term: Any, c: float, how: str, value: float) -> Any:
     dt = term.dtype or torch.float32
     t = torch.tensor(term.value, dtype=dt)
     scaled = (t * value if how == "mul" else t / value).item()
-    if _neg_large(term.value, dt) == "min" and c > 0 and scaled != -math.inf:
+    if neg_large(term.value, dt) == "min" and c > 0 and scaled != -math.inf:
         # The minimum times c <= 1 still hides its keys (weight exp(min * c - max) = 0): keep it the
         # minimum, so rows with every key hidden stay recognisable (uniform, as written).
         return term
@@ -851,13 +847,13 @@ def _kv_source(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node | None, str]:
         return None, ""
     x = op.args[0]
     xs = shape_of(x)
-    if xs is None or len(xs) != 4 or not (_same(xs[0], out[0]) and _same(xs[2], out[2]) and _same(xs[3], out[3])):
+    if xs is None or len(xs) != 4 or not (same(xs[0], out[0]) and same(xs[2], out[2]) and same(xs[3], out[3])):
         return None, ""
     if op.kind == "repeat_interleave" and op.args[2] == 1 and isinstance(op.args[1], int) \
-            and _same(xs[1] * op.args[1], out[1]):
+            and same(xs[1] * op.args[1], out[1]):
         return x, "repeat_interleave"
     if op.kind == "view" and (node.target in ("expand", "broadcast_to", torch.broadcast_to,
-                                              torch.ops.aten.expand.default)) and _same(xs[1], 1):
+                                              torch.ops.aten.expand.default)) and same(xs[1], 1):
         return x, str(getattr(node.target, "__name__", node.target))
     return None, ""
 
@@ -876,15 +872,15 @@ def _repeat_kv_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     eop = read(expanded, gm)
     if es is None or len(es) != 5 or eop is None or eop.kind != "view" or len(expanded.users) != 1:
         return None
-    if not (_same(es[0], out[0]) and _same(es[3], out[2]) and _same(es[4], out[3])
-            and _same(es[1] * es[2], out[1])):
+    if not (same(es[0], out[0]) and same(es[3], out[2]) and same(es[4], out[3])
+            and same(es[1] * es[2], out[1])):
         return None
     if not (isinstance(expanded.target, str) and expanded.target == "expand"
             or expanded.target is torch.ops.aten.expand.default):
         return None
     inserted = eop.args[0]
     ins = shape_of(inserted)
-    if ins is None or len(ins) != 5 or not _same(ins[2], 1) or len(inserted.users) != 1:
+    if ins is None or len(ins) != 5 or not same(ins[2], 1) or len(inserted.users) != 1:
         return None
     iop = read(inserted, gm)
     if iop is None or iop.kind not in ("view", "getitem"):
@@ -893,14 +889,14 @@ def _repeat_kv_source(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     ss = shape_of(src)
     if ss is None or len(ss) != 4:
         return None
-    if not (_same(ss[0], ins[0]) and _same(ss[1], ins[1]) and _same(ss[2], ins[3]) and _same(ss[3], ins[4])):
+    if not (same(ss[0], ins[0]) and same(ss[1], ins[1]) and same(ss[2], ins[3]) and same(ss[3], ins[4])):
         return None
     if iop.kind == "getitem" and not _is_none_at(iop.args[1], 2):
         return None
     if iop.kind == "view" and not (inserted.target in ("unsqueeze", torch.unsqueeze, torch.ops.aten.unsqueeze.default)
                                    and _arg_dim(inserted) == 2):
         return None
-    if not (_same(es[1], ss[1])):
+    if not (same(es[1], ss[1])):
         return None
     return src
 

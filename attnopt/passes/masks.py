@@ -36,8 +36,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..canon import aliases, attr_value, convert_scalar, dtype_of, meta_value, mutated, read, shape_of
-from ..runtime import band_pattern
+from ..kernels.bands import band_pattern
+from .canon import aliases, attr_value, convert_scalar, dtype_of, meta_value, mutated, read, shape_of
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class _Unknown(Exception):
     pass
 
 
-def _same(a: Any, b: Any) -> bool:
+def same(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
@@ -138,7 +138,7 @@ def _less(a: Any, b: Any) -> bool:
 
 def _order(a: Any, b: Any) -> int:
     """-1, 0 or 1 as ``a`` is provably below, equal to or above ``b``; raises when unprovable."""
-    if _same(a, b):
+    if same(a, b):
         return 0
     if _less(a, b):
         return -1
@@ -265,7 +265,7 @@ class BandReader:
                             dtype_of(node))
         if k in ("cast", "identity", "view"):
             b = self.band(op.args[0])
-            if not (_same(b.rows, rows) and _same(b.cols, cols)):
+            if not (same(b.rows, rows) and same(b.cols, cols)):
                 raise _Unknown
             return _convert(b, dtype_of(node))
         if k == "getitem":
@@ -305,9 +305,9 @@ class BandReader:
                     raise _Unknown
                 return _convert(Band.const(rows, cols, op.args[0]), dtype_of(x))
             b = self.band(x)
-            if not ((_same(b.rows, rows) or _same(b.rows, 1)) and (_same(b.cols, cols) or _same(b.cols, 1))):
+            if not ((same(b.rows, rows) or same(b.rows, 1)) and (same(b.cols, cols) or same(b.cols, 1))):
                 raise _Unknown
-            if (_same(b.rows, 1) and not _same(rows, 1)) or (_same(b.cols, 1) and not _same(cols, 1)):
+            if (same(b.rows, 1) and not same(rows, 1)) or (same(b.cols, 1) and not same(cols, 1)):
                 if b.cuts:
                     raise _Unknown  # a broadcast row or column is constant only if the band is
             return b
@@ -336,9 +336,9 @@ class BandReader:
                 return band.map(lambda v: bool(_COMPARE[k](v, s)))
             raise
         ci, cj, c = diff  # a - b = ci * i + cj * j + c
-        if _same(rows, 1) and cj in (1, -1):
+        if same(rows, 1) and cj in (1, -1):
             ci = -cj  # one query row (a decode step): i is always 0, so any coefficient of it is the same
-        if _same(cols, 1) and ci in (1, -1):
+        if same(cols, 1) and ci in (1, -1):
             cj = -ci
         if ci == 0 and cj == 0:
             if not isinstance(c, int):
@@ -420,7 +420,7 @@ class BandReader:
                 return _Affine(x.shape, tuple(c * factor for c in x.coef), x.const * factor)
             left, right = self._affine_or_number(op.args[0]), self._affine_or_number(op.args[1])
             out = _affine_sum(left, right, 1 if op.kind == "add" else -1)
-            if tuple(out.shape) != tuple(shape) and not all(_same(p, r) for p, r in zip(out.shape, shape)):
+            if tuple(out.shape) != tuple(shape) and not all(same(p, r) for p, r in zip(out.shape, shape)):
                 raise _Unknown
             return out
         if op.kind in ("cast", "identity"):
@@ -503,7 +503,7 @@ def _broadcasts(x: fx.Node, rows: Any, cols: Any) -> bool:
     if shape is None or len(shape) == 0:
         return False
     last = (1,) * max(0, 2 - len(shape)) + tuple(shape[-2:])
-    return (_same(last[0], 1) or _same(last[0], rows)) and (_same(last[1], 1) or _same(last[1], cols))
+    return (same(last[0], 1) or same(last[0], rows)) and (same(last[1], 1) or same(last[1], cols))
 
 
 _ARANGE = (torch.arange, torch.ops.aten.arange.default, torch.ops.aten.arange.start,
@@ -523,13 +523,13 @@ def _affine_sum(x: Any, y: Any, sign: int) -> _Affine:
     yc = (0,) * (n - len(y.coef)) + tuple(y.coef)
     shape, coef = [], []
     for a, b, ca, cb in zip(xs, ys, xc, yc):
-        if _same(a, b) or _same(b, 1):
+        if same(a, b) or same(b, 1):
             shape.append(a)
-        elif _same(a, 1):
+        elif same(a, 1):
             shape.append(b)
         else:
             raise _Unknown
-        coef.append((0 if _same(a, 1) else ca) + sign * (0 if _same(b, 1) else cb))
+        coef.append((0 if same(a, 1) else ca) + sign * (0 if same(b, 1) else cb))
     return _Affine(tuple(shape), tuple(coef), x.const + sign * y.const)
 
 
@@ -541,19 +541,19 @@ def _reshaped(x: _Affine, shape: tuple[Any, ...], node: fx.Node) -> _Affine:
         lead = len(shape) - len(x.shape)
         coef = [0] * lead
         for s, c, n in zip(x.shape, x.coef, shape[lead:]):
-            if _same(s, n):
+            if same(s, n):
                 coef.append(c)
-            elif _same(s, 1):
+            elif same(s, 1):
                 coef.append(0)  # a broadcast dim: the same value along it
             else:
                 raise _Unknown
         return _Affine(shape, tuple(coef), x.const)
-    src = [(s, c) for s, c in zip(x.shape, x.coef) if not _same(s, 1)]
+    src = [(s, c) for s, c in zip(x.shape, x.coef) if not same(s, 1)]
     coef = []
     for n in shape:
-        if src and _same(src[0][0], n):
+        if src and same(src[0][0], n):
             coef.append(src.pop(0)[1])
-        elif _same(n, 1):
+        elif same(n, 1):
             coef.append(0)
         else:
             raise _Unknown
@@ -587,7 +587,7 @@ def _indexed(x: _Affine, index: Any, shape: tuple[Any, ...]) -> _Affine:
     coef.extend(x.coef[dim:])
     if len(coef) != len(shape):
         raise _Unknown
-    return _Affine(shape, tuple(0 if _same(s, 1) else c for s, c in zip(shape, coef)), const)
+    return _Affine(shape, tuple(0 if same(s, 1) else c for s, c in zip(shape, coef)), const)
 
 
 def _convert(b: Band, dtype: torch.dtype | None) -> Band:
@@ -602,7 +602,7 @@ def _convert(b: Band, dtype: torch.dtype | None) -> Band:
         raise _Unknown from None
 
 
-def _neg_large(value: float, dtype: torch.dtype | None) -> str | None:
+def neg_large(value: float, dtype: torch.dtype | None) -> str | None:
     """'inf' for -inf, 'min' for the dtype's most negative finite value, else None."""
     if value == -math.inf:
         return "inf"
@@ -660,7 +660,7 @@ def _keep_band(terms: list[Any], reader: BandReader, score_dtype: torch.dtype | 
             def kept(v: Any, dt: torch.dtype | None = dt) -> bool:
                 if v == 0:
                     return True
-                if isinstance(v, float) and _neg_large(v, dt) is not None:
+                if isinstance(v, float) and neg_large(v, dt) is not None:
                     return False
                 raise _Unknown  # a bias, not a mask
             k = Band(b.rows, b.cols, b.cuts, tuple(kept(v) for v in b.values))
@@ -696,7 +696,7 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
     for f in fills:
         if dtype_of(f.cond) != torch.bool:
             return f"the mask condition has dtype {dtype_of(f.cond)}, not torch.bool"
-    finite = [f for f in fills if _neg_large(f.value, f.dtype or score_dtype) is None]
+    finite = [f for f in fills if neg_large(f.value, f.dtype or score_dtype) is None]
     if finite:
         bounded = _bounded_fill_plan(terms, finite, score_dtype)
         if isinstance(bounded, str):
@@ -712,11 +712,11 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
     reader = BandReader(root, concrete)
     try:
         keep = _keep_band(terms, reader, score_dtype)
-        if _same(keep.rows, tq) and _same(keep.cols, tk):
+        if same(keep.rows, tq) and same(keep.cols, tk):
             hi, window = _causal_shape(keep)
-            if hi is not None and _same(hi, 0):
+            if hi is not None and same(hi, 0):
                 plan.causal = "top_left"
-            elif hi is not None and _same(hi, tk - tq):
+            elif hi is not None and same(hi, tk - tq):
                 plan.causal = "bottom_right"
             if plan.causal:
                 plan.window = window

@@ -41,8 +41,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..canon import dtype_of, meta_value, mutated, read
-from ..site import LEFT_ALONE, REWRITTEN, SiteRecord
+from ..spec import LEFT_ALONE, REWRITTEN, SiteRecord
+from .canon import dtype_of, meta_value, mutated, read
 from .find_sites import place_of
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)

@@ -53,19 +53,16 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from ..canon import meta_value, shape_of
+from ..spec import PositionError
+from .canon import meta_value, shape_of
 from .find_sites import place_of
-from .masks import _same
+from .masks import same
 
 aten = torch.ops.aten
 
 CONST, POSITION, TOKEN, SHAPE = "const", "position", "token", "shape"
 _ORDER = {SHAPE: 0, CONST: 0, POSITION: 1, TOKEN: 2}
 _FULL = 2**63 - 1  # the end ``x[a:]`` records
-
-
-class PositionError(ValueError):
-    """The graph cannot run on new tokens with a KV cache; the message names the op and line."""
 
 
 class _Refuse(Exception):
@@ -352,7 +349,7 @@ def _reshape(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     if len(src) != len(dst):
         raise _Refuse("merges the sequence axis with another axis (reshape)")
     for i, j in zip(src, dst):
-        if not _same(_prod(s_in[:i]), _prod(s_out[:j])):
+        if not same(_prod(s_in[:i]), _prod(s_out[:j])):
             raise _Refuse("moves data across positions (reshape changes the sizes before the sequence axis)")
     return a.kind(x)
 

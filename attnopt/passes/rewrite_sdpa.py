@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..candidates import reference_attention
-from ..canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value
-from ..runtime import AttentionSite, BufferGuard, ConditionGuard, _tracing
-from ..site import REWRITTEN
+from ..kernels.reference import reference_attention
+from ..runtime.guards import BufferGuard, ConditionGuard, is_tracing
+from ..runtime.site import AttentionSite
+from ..spec import REWRITTEN
+from .canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value
 from .find_sites import Match, reads_only_dtype
 from .masks import Add, Fill
 
@@ -274,7 +275,7 @@ class BoundedFillSite(AttentionSite):
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
         fill = self.spec.fill_value
         assert fill is not None
-        if not _tracing(q) and fill_is_negligible(q, k, kwargs["scale"], fill):
+        if not is_tracing(q) and fill_is_negligible(q, k, kwargs["scale"], fill):
             return super()._call(q, k, v, kwargs)
         return _filled_as_written(q, k, v, fill, **kwargs)
 

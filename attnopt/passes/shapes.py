@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..canon import meta_value
+from .canon import meta_value
 
 
 def has_shapes(gm: fx.GraphModule) -> bool:

@@ -21,17 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-TOLERANCES = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1e-4, 1e-4),
-    torch.bfloat16: (2e-2, 2e-2),
-    torch.float16: (5e-3, 5e-3),
-}
-
-
-def tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(atol, rtol) that a rewrite must meet for outputs of ``dtype``."""
-    return TOLERANCES.get(dtype, (1e-4, 1e-4))
+from ..kernels.reference import tolerance
 
 
 def compare_outputs(original: fx.GraphModule | Any, rewritten: fx.GraphModule | Any,

@@ -4,7 +4,7 @@ Every variant at a point is a :class:`Runner`: ``run()`` is the timed call, ``se
 optional untimed preparation before each call (a decode step first needs its prefill). Each
 ``run`` synchronises the device itself, so a timer around it measures device work too.
 
-* :func:`time_runners`: medians of alternating runs (``attnopt.measure.time_alternating``
+* :func:`time_runners`: medians of alternating runs (``attnopt.selection.measure.time_alternating``
   when no runner needs a setup).
 * :func:`profile_ranges`: a few calls under ``torch.profiler``, each inside an
   ``attnopt.profile::forward`` range; returns the time inside each ``attnopt::<site>`` range
@@ -12,7 +12,7 @@ optional untimed preparation before each call (a decode step first needs its pre
   duration in the same calls, and on CUDA the idle gaps between the forward's kernels.
 * :func:`profile_memory`: one call under ``torch.profiler(profile_memory=True)``; the peak is
   the running sum of allocated minus freed bytes on the device, in time order (the definition
-  of ``attnopt.measure.peak_memory``), and the op that made the allocation reaching it is named
+  of ``attnopt.selection.measure.peak_memory``), and the op that made the allocation reaching it is named
   with its input shapes, its module (its path in the model for models that run as written, else
   the profiler's ``<class>_<n>``) and its attention site. On CUDA the peak bytes are
   ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 from torch.autograd import DeviceType
 
-from .measure import time_alternating
+from ..selection.measure import time_alternating
 
 __all__ = ["Runner", "SiteCounter", "bracket_sites", "causal_entries", "is_oom", "make_runner", "matmul_rate",
            "profile_memory", "profile_ranges", "sync", "time_runners"]
@@ -335,8 +335,8 @@ def bracket_sites(model: torch.nn.Module) -> tuple[Callable[..., Any], SiteCount
 
 
 def _insert_ranges(gm: fx.GraphModule, example_inputs: list[Any], counter: SiteCounter, graph_id: int) -> None:
-    from .passes.find_sites import Match, find_sites
-    from .passes.shapes import ensure_shapes
+    from ..passes.find_sites import Match, find_sites
+    from ..passes.shapes import ensure_shapes
 
     ensure_shapes(gm, example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -1,6 +1,6 @@
 """Honest measurements for the demo and benchmarks: alternating timings and peak live tensor memory.
 
-    >>> from attnopt.measure import time_alternating, peak_memory
+    >>> from attnopt.selection.measure import time_alternating, peak_memory
     >>> times = time_alternating({"eager": model, "attnopt": opt}, (x,), repeats=20)  # median seconds
     >>> peak_memory(opt, x)                     # bytes allocated above the baseline during one call
 

@@ -15,17 +15,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .candidates import get_candidate
-from .canon import meta_value
-from .config import OptimizeConfig
-from .passes.find_sites import Match, find_sites
-from .passes.mha import drop_unused_mha_weights
-from .passes.rewrite_sdpa import rewrite_sites
-from .passes.shapes import ensure_shapes
-from .passes.verify import compare_outputs
-from .runtime import AUTO, AttentionSite
-from .selector import Selector
-from .site import LEFT_ALONE, SiteRecord
+from ..config import OptimizeConfig
+from ..env import AUTO
+from ..kernels.registry import get_candidate
+from ..passes.canon import meta_value
+from ..passes.find_sites import Match, find_sites
+from ..passes.mha import drop_unused_mha_weights
+from ..passes.rewrite_sdpa import rewrite_sites
+from ..passes.shapes import ensure_shapes
+from ..passes.verify import compare_outputs
+from ..runtime.site import AttentionSite
+from ..selection.selector import Selector
+from ..spec import LEFT_ALONE, SiteRecord
 
 log = logging.getLogger("attnopt")
 
@@ -39,7 +40,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
     """
     if config.candidate == AUTO and selector is None:
         selector = Selector(memory_budget=config.memory_budget)
-    work = _copy(gm)                                   # capture: the caller's graph is never edited
+    work = copy_graph(gm)                                   # capture: the caller's graph is never edited
     ensure_shapes(work, example_inputs)                # every node gets a (possibly symbolic) shape
     concrete = _bind(work, example_inputs)             # real buffer values, for causal-mask proofs
     found = find_sites(work, concrete)                 # canonicalise, match, prove: Match or near miss
@@ -61,7 +62,7 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
     return work, records
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     new.training = gm.training  # only the copy's own flag: its submodules are gm's, in their own modes
@@ -165,7 +166,7 @@ def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequenc
 def _rewrite_subset(gm: fx.GraphModule, inputs: Sequence[Any], config: OptimizeConfig,
                     names: set[str], selector: Selector | None,
                     report_to: list[Match] | None = None) -> fx.GraphModule:
-    work = _copy(gm)
+    work = copy_graph(gm)
     ensure_shapes(work, inputs)
     concrete = _bind(work, inputs)
     found = [f for f in find_sites(work, concrete) if isinstance(f, Match) and f.record.name in names]

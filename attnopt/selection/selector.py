@@ -1,6 +1,6 @@
 """The profile-guided selector: time every legal candidate for the real shapes, keep the fastest.
 
-``variant="auto"`` rewrites each proven site to an :class:`~attnopt.runtime.AttentionSite`
+``variant="auto"`` rewrites each proven site to an :class:`~attnopt.runtime.site.AttentionSite`
 whose candidate is chosen here, per *shape key*::
 
     (batch, q heads, kv heads, Tq bucket, Tk bucket, head dim, v head dim, dtype, device,
@@ -26,14 +26,14 @@ Tuning one key (:meth:`Selector.tune`):
    turn (``a b c a b c``), synchronising the device around each call (CUDA events on GPU);
    the median per candidate. After the first round a candidate more than ``prune`` times
    slower than the best is not timed again (it cannot be within 5% of it).
-5. *Memory*: the peak tensor memory of one call (:func:`attnopt.measure.peak_memory`) of every
+5. *Memory*: the peak tensor memory of one call (:func:`attnopt.selection.measure.peak_memory`) of every
    candidate still in the race after pruning (of all of them when a ``memory_budget`` rules out
    every one of those); candidates above the budget are rejected; if none fits, the one with
    the lowest peak is kept and a warning says so.
-6. *Keep* the fastest; store every timing in the :class:`~attnopt.tuning_cache.TuningCache`
+6. *Keep* the fastest; store every timing in the :class:`~attnopt.selection.cache.TuningCache`
    (on disk, keyed by attnopt/torch version, device and candidate set) so later processes
    skip tuning; under ``torch.distributed`` rank 0 tunes and broadcasts its choice
-   (:func:`attnopt.distributed.agree`) so every rank runs the same kernels.
+   (:func:`attnopt.selection.distributed.agree`) so every rank runs the same kernels.
 
 Timer and memory meter are injectable (``Selector(timer=..., memory=...)``) so the policy is
 tested deterministically.
@@ -56,11 +56,12 @@ from typing import Any
 
 import torch
 
-from .candidates import candidate_names, get_candidate, reference_attention
+from ..env import parse_bytes
+from ..kernels.reference import reference_attention, tolerance
+from ..kernels.registry import candidate_names, get_candidate
+from ..spec import AttentionSpec
+from .cache import TuningCache, TuningEntry
 from .distributed import agree
-from .passes.verify import tolerance
-from .site import AttentionSpec
-from .tuning_cache import TuningCache, TuningEntry
 
 log = logging.getLogger("attnopt")
 
@@ -68,28 +69,6 @@ log = logging.getLogger("attnopt")
 Timer = Callable[[str, Callable[[], Any]], float]
 #: ``memory(candidate_name, run) -> bytes`` of peak tensor memory during one call of ``run``.
 MemoryMeter = Callable[[str, Callable[[], Any]], int]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: int | str | None) -> int | None:
-    """``512 * 2**20``, ``"512MiB"``, ``"2GB"`` or None -> bytes (or None)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"memory_budget must be a number of bytes or a string like '512MiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        text = value.strip().lower().replace(" ", "")
-        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(digits):]
-        if unit not in _UNITS or not digits:
-            raise ValueError(f"cannot read memory_budget {value!r}; write bytes as an int or e.g. '512MiB', '2GB'")
-        n = int(float(digits) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"memory_budget must be positive, got {value!r}")
-    return n
 
 
 def _bucket(n: int) -> int:

@@ -4,7 +4,7 @@
     $ attnopt profile my_models.py:build --variants eager,auto,math --trace --out prof/
     >>> report = attnopt.profile("nanogpt", seq_lens=(128, 512), out="prof")   # the same data as a dict
 
-Design. A SPEC (``attnopt.profile_spec``) gives the model and ``make_inputs(batch_size,
+Design. A SPEC (``attnopt.profiling.spec``) gives the model and ``make_inputs(batch_size,
 seq_len)``. The model is moved to the device and dtype and put in eval mode; every measurement
 runs under ``no_grad`` (inference). Variants: ``eager`` is the model as written; any other name
 is ``attnopt.optimize(model, variant=name)`` (``auto``, ``sdpa`` or a registered candidate).
@@ -12,7 +12,7 @@ For every point (batch size x sequence length x phase), in order:
 
 1. warm up each variant twice (dynamo captures here); a variant that raises is recorded with
    ``status`` ``oom`` or ``error`` and the error text, and the sweep goes on;
-2. time the variants in alternation, median of ``repeats`` (``attnopt.profile_measure``);
+2. time the variants in alternation, median of ``repeats`` (``attnopt.profiling.measure``);
 3. profile each variant a few times for the time inside its attention sites and, on CUDA, the
    idle gaps between kernels; the eager model's sites are timed on dynamo's capture of it with
    a range around each site (eager attention is not a separate call);
@@ -28,7 +28,7 @@ untimed, then one timed ``step``), otherwise a full forward over T + 1 tokens; t
 (``decode_method``) and why (``decode_note``). The eager variant always recomputes: the model
 as written has no cache.
 
-Outputs under ``--out DIR``: ``report.json`` (``attnopt.profile_report.REPORT_SCHEMA``,
+Outputs under ``--out DIR``: ``report.json`` (``attnopt.profiling.report.REPORT_SCHEMA``,
 rewritten after every point), PNG plots (with matplotlib), ``traces/*.json`` chrome traces
 (with ``--trace``; on CUDA also the memory timeline), and on the terminal a progress bar, the
 table and a summary in words.
@@ -36,7 +36,6 @@ table and a summary in words.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -47,7 +46,9 @@ from typing import Any
 
 import torch
 
-from .profile_measure import (
+from ..config import accepted_variants
+from ..env import __version__
+from .measure import (
     Runner,
     SiteCounter,
     bracket_sites,
@@ -59,22 +60,15 @@ from .profile_measure import (
     sync,
     time_runners,
 )
-from .profile_report import SCHEMA_VERSION, finite, plot, summarize, table, write_json
-from .profile_spec import SpecError, Target, resolve
+from .report import SCHEMA_VERSION, finite, plot, summarize, write_json
+from .spec import Target, resolve
 
-__all__ = ["add_arguments", "check_options", "main", "profile"]
+__all__ = ["check_options", "profile"]
 
 PHASES = ("prefill", "decode", "both")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 PROFILED_CALLS = 3
-
-
-def _accepted_variants() -> list[str]:
-    from .candidates import candidate_names
-    from .config import VARIANTS
-
-    return list(VARIANTS) + [c for c in candidate_names() if c not in VARIANTS]
 
 
 def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase: str, variants: Sequence[str],
@@ -86,7 +80,7 @@ def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase:
             return f"--{name} must be positive integers separated by commas (e.g. 1,8), got {list(values)}"
     if phase not in PHASES:
         return f"--phase must be one of {', '.join(PHASES)}, got {phase!r}"
-    accepted = _accepted_variants()
+    accepted = accepted_variants()
     bad = [v for v in variants if v not in accepted]
     if not variants or bad:
         return f"unknown variant(s) {bad or '(none given)'} in --variants; accepted: {', '.join(accepted)}"
@@ -202,8 +196,6 @@ def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, v
 
 
 def _environment(dev: torch.device, dt: torch.dtype, matmul_size: int) -> dict[str, Any]:
-    from . import __version__
-
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     try:
         load = os.getloadavg()[0]
@@ -218,7 +210,7 @@ def _environment(dev: torch.device, dt: torch.dtype, matmul_size: int) -> dict[s
 
 def _generation() -> tuple[Callable[..., Any] | None, str | None]:
     """``attnopt.generation.cached`` (the tests put a fake one here), or None and why it cannot be used."""
-    from .generation import cached
+    from ..pipeline.kv import cached
 
     return cached, None
 
@@ -247,11 +239,11 @@ class _Session:
     def __init__(self, target: Target, model: torch.nn.Module, variants: list[str], dev: torch.device,
                  dt: torch.dtype, repeats: int, trace_dir: Path | None, seed: int, matmul_flops: float,
                  decode_len: int = 0):
-        import attnopt
+        from .. import api  # a module attribute, so that tests can replace api.optimize
 
         self.target, self.model, self.dev, self.dt = target, model, dev, dt
         self.repeats, self.trace_dir, self.seed, self.matmul_flops = repeats, trace_dir, seed, matmul_flops
-        self.models = {v: model if v == "eager" else attnopt.optimize(model, variant=v) for v in variants}
+        self.models = {v: model if v == "eager" else api.optimize(model, variant=v) for v in variants}
         self.bracketed, self.counter = bracket_sites(model)
         self.decode_len = decode_len  # the cached models hold the longest context of the sweep plus one token
         self.cached: dict[str, Any] = {}  # variant -> CachedLM, built (captured) once per sweep, or why not
@@ -396,7 +388,7 @@ class _Session:
     def _inspect(self, variant: str, rec: dict[str, Any], runner: Runner, eager_where: dict[str, str],
                  flops: float | None) -> None:
         """Attention time, share, roofline and gaps of one variant from profiled calls."""
-        from .api import explain
+        from ..api import explain
 
         ranges = profile_ranges(runner, self.dev, PROFILED_CALLS)
         where = eager_where if variant == "eager" else _site_places(explain(self.models[variant]))
@@ -465,74 +457,3 @@ class _Skip(Exception):
     """A phase that does not apply to this model; the message says why."""
 
 
-# -- command line ----------------------------------------------------------------------------------------------
-def _int_list(text: str) -> list[int]:
-    problem = f"expected positive integers separated by commas (e.g. 1,8), got {text!r}"
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(problem) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(problem)
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnopt profile``."""
-    parser.add_argument("spec", metavar="SPEC",
-                        help="a built-in example (nanogpt, bert), 'package.module:factory' or 'file.py:factory' "
-                             "where factory() returns (model, make_inputs) and make_inputs(batch_size, seq_len) "
-                             "returns the model's arguments")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated (default 1)")
-    parser.add_argument("--seq-lens", type=_int_list, default=[128, 512], help="comma-separated (default 128,512)")
-    parser.add_argument("--phase", choices=PHASES, default="prefill",
-                        help="prefill: a forward over T tokens; decode: one new token after T (causal LMs)")
-    parser.add_argument("--variants", default="eager,auto",
-                        help="comma-separated: eager (as written), auto, sdpa or a registered candidate "
-                             "(default eager,auto)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="default float32")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per variant and point (default 10)")
-    parser.add_argument("--matmul-size", type=int, default=None,
-                        help="side of the matmul that measures the device's rate (default 1024 CPU, 8192 CUDA)")
-    parser.add_argument("--trace", action="store_true", help="write chrome traces per point under DIR/traces")
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's); 1 keeps timings steadier on a shared machine")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("--out", metavar="DIR", required=True, help="folder for report.json, plots and traces")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of ``attnopt profile`` once its arguments are parsed."""
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    problem = check_options(batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
-                            variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
-                            matmul_size=args.matmul_size, threads=args.threads)
-    if problem:
-        print(f"attnopt profile: error: {problem}", file=sys.stderr)
-        return 2
-    try:
-        report = profile(args.spec, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
-                         variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
-                         trace=args.trace, out=args.out, progress=not args.no_progress,
-                         matmul_size=args.matmul_size, seed=args.seed, threads=args.threads)
-    except SpecError as e:
-        print(f"attnopt profile: error: {e}", file=sys.stderr)
-        return 2
-    env = report["environment"]
-    print(f"{report['description']}; {env['device']} ({env['device_name']}), {report['options']['dtype']}, "
-          f"torch {env['torch']}, {env['threads']} threads; matmul {env['matmul']['size']}^3: "
-          f"{env['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s; medians of {args.repeats} alternating runs, no_grad")
-    load, cpus = env["load_average"], env["cpu_count"] or 1
-    if load is not None and load > 0.5 * cpus:
-        print(f"note: 1-min load average {load:.1f} on {cpus} CPUs: other processes share the CPUs, so times are "
-              f"inflated and noisy (try more --repeats)")
-    print()
-    print(table(report["records"]))
-    print("* in profiled calls (profiling slows the forward too; the share compares times of the same calls)")
-    print()
-    for line in report["summary"]:
-        print(line)
-    print(f"\nwrote {Path(args.out) / 'report.json'}" + "".join(f", {p}" for p in report["plots"]))
-    return 0

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .site import REWRITTEN, SiteRecord
+from ..spec import REWRITTEN, SiteRecord
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Report:
         """The selector's choices: per site and shape key, the chosen candidate and the timings."""
         from tabulate import tabulate
 
-        from .selector import format_timings
+        from ..selection.selector import format_timings
 
         rows = []
         for r in self.records:

@@ -56,13 +56,14 @@ from typing import Any
 
 import torch
 
+from .. import env as settings
+from ..env import cache_dir_override, disk_cache_enabled
+
 __all__ = ["TuningCache", "TuningEntry", "default_cache_dir", "environment"]
 
 #: Version of the file layout (``{"format", "key", "entry"}``); files of another format are misses.
 FILE_FORMAT = 1
 
-_OFF_VALUES = ("0", "off", "false", "no")
-_ON_VALUES = ("", "1", "on", "true", "yes")
 _CACHE_FILE = re.compile(r"[0-9a-f]{64}\.json")
 _TEMP_FILE = re.compile(r"\.[0-9a-f]{64}\.json\.[0-9a-f]+\.tmp")
 
@@ -74,7 +75,7 @@ def default_cache_dir() -> Path:
     ``~/Library/Caches/attnopt`` on macOS and ``%LOCALAPPDATA%\\attnopt\\Cache`` on Windows
     (``platformdirs.user_cache_dir("attnopt")`` when that package is installed).
     """
-    explicit = os.environ.get("ATTNOPT_CACHE_DIR")
+    explicit = cache_dir_override()
     if explicit:
         return Path(explicit).expanduser()
     try:
@@ -114,10 +115,8 @@ def environment(device: torch.device | str) -> dict[str, str]:
     CUDA devices add the capability and the CUDA (or HIP) version torch was built with;
     CPUs add torch's intra-op thread count.
     """
-    import attnopt  # at call time: attnopt imports this module
-
     device = torch.device(device)
-    env = {"attnopt": str(attnopt.__version__), "torch": str(torch.__version__), "device_type": device.type}
+    env = {"attnopt": str(settings.__version__), "torch": str(torch.__version__), "device_type": device.type}
     if device.type == "cpu":
         env["device_name"] = _cpu_name()
         env["threads"] = str(torch.get_num_threads())
@@ -234,16 +233,6 @@ class TuningEntry:
         return cls.from_dict(json.loads(text))
 
 
-def _disk_enabled() -> bool:
-    value = os.environ.get("ATTNOPT_CACHE", "").strip().lower()
-    if value in _OFF_VALUES:
-        return False
-    if value in _ON_VALUES:
-        return True
-    raise ValueError(f"ATTNOPT_CACHE={value!r} is not understood; set it to '0'/'off' to keep tuning results "
-                     "in memory only, or '1'/'on' (or leave it unset) to keep them on disk")
-
-
 class TuningCache:
     """Tuning results keyed by environment, candidate set and shape, in memory and on disk.
 
@@ -254,7 +243,7 @@ class TuningCache:
 
     def __init__(self, directory: Path | str | None = None) -> None:
         self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
-        self.disk = _disk_enabled()
+        self.disk = disk_cache_enabled()
         self._writable = True
         self._memory: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()

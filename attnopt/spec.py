@@ -1,10 +1,12 @@
-"""Site records: what attnopt found at one softmax, what it proved, and what it decided.
+"""The vocabulary every layer speaks: what a site computes, what was decided about it, and why not.
 
 A :class:`SiteRecord` is created by ``find_sites`` for every softmax in a captured graph and
 filled in by later passes (``rewrite_sdpa`` sets the decision; ``verify`` may revoke it; the
-selector of later releases adds timings). :class:`AttentionSpec` is the proven, frozen
+selector adds the timings that chose its candidate). :class:`AttentionSpec` is the proven, frozen
 description of the function a matched site computes, which every candidate implementation
-receives.
+receives. :class:`Refusal` is the one exception type for "attnopt cannot prove this": the matcher,
+the mask planner and the position analysis raise it (or a subclass) with the reason that
+``explain()`` shows; candidates say the same with the reason string their ``supports`` returns.
 """
 
 from __future__ import annotations
@@ -15,6 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+class Refusal(Exception):
+    """attnopt cannot prove what a rewrite needs; ``str(e)`` is the reason, worded for ``explain()``.
+
+    ``decision`` is what the site's record says as a result (``LEFT_ALONE`` for a near miss,
+    ``NOT_ATTENTION`` for a softmax that is no attention at all).
+    """
+
+    def __init__(self, reason: str = "", decision: str | None = None):
+        super().__init__(reason)
+        self.decision = LEFT_ALONE if decision is None else decision
+
+
+class PositionError(Refusal, ValueError):
+    """The graph cannot run on new tokens with a KV cache; the message names the op and line."""
+
 
 #: Decisions a site can carry.
 REWRITTEN = "rewritten"

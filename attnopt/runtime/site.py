@@ -9,7 +9,7 @@ run-time numbers). The module
   still hold the proven pattern (:class:`BufferGuard`: pinned to the tensor *object* and its
   version counter, so a fresh mask passed on the next call is checked again), and the alignment
   matches SDPA's top-left causal mask (bottom-right masks only when ``Tq == Tk``); otherwise the
-  mask tensor is passed. A proven sliding window adds ``window=w`` (see :mod:`attnopt.candidates`),
+  mask tensor is passed. A proven sliding window adds ``window=w`` (see :mod:`attnopt.kernels.bands`),
 * applies dropout exactly when the original would (``nn.Dropout`` replaced: in training mode),
 * follows the mask values of each call for rows whose every key is hidden: NaN rows where every
   key was masked with ``-inf`` (the original's result) are restored; rows whose keys all hold a
@@ -31,7 +31,7 @@ run-time numbers). The module
 * calls the chosen candidate inside a ``record_function("attnopt::<site>")`` range, and
   falls back to the ``math`` candidate with a warning if the candidate raises.
 
-With ``candidate="auto"`` the site asks its :class:`~attnopt.selector.Selector` which
+With ``candidate="auto"`` the site asks its :class:`~attnopt.selection.selector.Selector` which
 candidate to run for the call's shape key (tuned on the first call in each bucket, then one
 dictionary lookup); the timings that chose it are kept in ``site.tuning`` and in the site's
 record for ``explain()``. While being traced (``compile=True``) the site uses the choice of
@@ -41,26 +41,22 @@ its most recent eager call.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
-import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .candidates import ScoreMod, get_candidate, reference_attention
-from .passes.verify import tolerance
-from .selector import Call, shape_key
-from .site import AttentionSpec
+from ..env import AUTO
+from ..kernels.reference import reference_attention, tolerance
+from ..kernels.registry import ScoreMod, get_candidate
+from ..selection.selector import Call, shape_key
+from ..spec import AttentionSpec
+from .autograd import recomputable
+from .guards import BufferGuard, ConditionGuard, is_tracing
 
 log = logging.getLogger("attnopt")
 
-#: The candidate name that makes a site ask its selector.
-AUTO = "auto"
 
 #: ``AttentionSite`` call arguments: (q, k, v, mask, scale, dropout_p, *guarded buffers).
 GUARDED_ARGS_START = 6
@@ -74,53 +70,6 @@ SATURATED = 1e3
 _TWICE_DIFFERENTIABLE = frozenset(("math", "sdpa_math"))
 
 
-def strict_guards() -> bool:
-    """``ATTNOPT_STRICT=1``: re-check the content of every tensor a proof read on every call.
-
-    For code that writes proof inputs in ways PyTorch's version counter does not see
-    (``.data``, ``.numpy()``, DLPack, ``set_``).
-    """
-    return os.environ.get("ATTNOPT_STRICT", "").strip() not in ("", "0", "false", "False")
-
-
-def _tracing(t: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
-
-
-def band_pattern(t: torch.Tensor, max_cuts: int = 4) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
-    """``(cuts, values)`` when ``t``'s last two dims depend only on ``j - i`` (leading dims 1), else None."""
-    if t.dim() < 2 or any(s != 1 for s in t.shape[:-2]):
-        return None
-    t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
-    n, m = t2.shape
-    if n < 1 or m < 1:
-        return None
-    per_diag = torch.cat([t2[1:, 0].flip(0), t2[0, :]])  # d = -(n-1) .. m-1
-    i = torch.arange(n, device=t2.device)[:, None]
-    j = torch.arange(m, device=t2.device)[None, :]
-    if not torch.equal(per_diag[j - i + n - 1], t2):
-        return None
-    change = (per_diag[1:] != per_diag[:-1]).nonzero().flatten().tolist()
-    if len(change) > max_cuts:
-        return None
-    cuts = tuple(int(c) - (n - 1) for c in change)  # d <= cut keeps the value before the change
-    values = tuple(per_diag[[0] + [c + 1 for c in change]].tolist())
-    return cuts, values
-
-
-def is_band(t: torch.Tensor, cuts: tuple[int, ...], values: tuple[Any, ...]) -> bool:
-    """``t`` holds exactly the band ``(cuts, values)`` (see :func:`band_pattern`); a few passes over ``t``."""
-    if t.dim() < 2 or any(s != 1 for s in t.shape[:-2]) or len(values) != len(cuts) + 1:
-        return False
-    t2 = t.detach().reshape(t.shape[-2], t.shape[-1])
-    expected = torch.full(t2.shape, values[-1], dtype=t2.dtype, device=t2.device)
-    if cuts:
-        ones = torch.ones(t2.shape, dtype=torch.bool, device=t2.device)
-        for c, v in zip(reversed(cuts), reversed(values[:-1])):  # d <= c holds v, below the next cut down
-            expected = torch.where(ones.tril(c), torch.tensor(v, dtype=t2.dtype, device=t2.device), expected)
-    return bool(torch.equal(t2, expected))
-
-
 def candidate_layout(q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """q, k, v as candidates take them (4-D, v in q's dtype) and how many leading dims were added."""
@@ -130,85 +79,6 @@ def candidate_layout(q: torch.Tensor, k: torch.Tensor,
     if v.dtype != q.dtype:
         v = v.to(q.dtype)
     return q, k, v, lead
-
-
-@dataclass
-class BufferGuard:
-    """Checks that a tensor a causal proof read still holds the proven band pattern.
-
-    The pattern is the tensor's own ``(cuts, values)`` (see :func:`band_pattern`): lower-triangular
-    for nanoGPT's ``tril(ones)``, a band for a sliding window. The cheap check is the tensor's
-    *identity* (a weak reference to the object the pattern was last seen on) and its version
-    counter (bumped by every in-place write). Addresses are not trusted: a fresh tensor always
-    has version 0 and the allocator reuses freed memory. Any other object (a buffer deleted and
-    registered again, a deep copy) or a moved version is checked again on its values (a few
-    passes over it); if the pattern no longer holds, the site passes the mask tensor instead of
-    ``is_causal``. With ``strict`` the values are checked on every call: always for a tensor that
-    is a call input (a mask passed to ``forward``, which the caller may refill through numpy or
-    DLPack without a version bump), for inference tensors (no version counter), and for every
-    tensor with ``ATTNOPT_STRICT=1``.
-    """
-
-    cuts: tuple[Any, ...]
-    values: tuple[Any, ...]
-    strict: bool = False
-    version: int = -1
-    _ref: Any = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def of(cls, t: torch.Tensor | None, cuts: tuple[Any, ...], values: tuple[Any, ...],
-           strict: bool | None = None) -> BufferGuard:
-        g = cls(tuple(cuts), tuple(values), strict_guards() if strict is None else strict)
-        if isinstance(t, torch.Tensor) and not _tracing(t):
-            g._pin(t)
-        return g
-
-    def _pin(self, t: torch.Tensor) -> None:
-        if t.is_inference():  # inference tensors have no version counter: checked on every call
-            self._ref = None
-            return
-        self._ref, self.version = weakref.ref(t), t._version
-
-    def pinned_to(self, t: torch.Tensor) -> bool:
-        """``t`` is the very object last checked, unchanged since (by its version counter)."""
-        return self._ref is not None and not t.is_inference() and self._ref() is t and t._version == self.version
-
-    def holds(self, t: torch.Tensor) -> bool:
-        if t.requires_grad:
-            return False  # is_causal would drop the gradient that reaches this tensor through the mask
-        if not self.strict and self.pinned_to(t):
-            return True
-        ok = is_band(t, self.cuts, self.values)
-        if ok:
-            self._pin(t)
-        else:
-            self._ref = None
-            warnings.warn("attnopt: a mask tensor the causal proof read no longer holds the proven causal pattern; "
-                          "the site passes the mask tensor to the candidate for this call", stacklevel=3)
-        return ok
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_ref"] = None  # a weak reference neither pickles nor means anything in another process
-        return state
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> BufferGuard:
-        return BufferGuard(self.cuts, self.values, self.strict)  # the copy's tensors are other objects
-
-
-@dataclass
-class ConditionGuard:
-    """A run-time mask term the causal proof assumed: all True (``band & x``) or all False (``band | x``).
-
-    Typically a padding mask: Hugging Face ANDs ``attention_mask[b, kv_idx]`` into its causal mask,
-    which is the causal pattern exactly when no key is padded. Checked on every call (one
-    reduction over the term); when it fails the site passes the mask tensor, silently.
-    """
-
-    all_true: bool
-
-    def holds(self, t: torch.Tensor) -> bool:
-        return bool(t.all()) if self.all_true else not bool(t.any())
 
 
 class AttentionSite(nn.Module):
@@ -254,7 +124,7 @@ class AttentionSite(nn.Module):
             # A 0-d tensor scale: folded into q where gradients must reach it, inside a compiled graph
             # and for float32/float64 q (one rounding, like the product's own); otherwise a half-type q is
             # not rounded again, and the kernel scales in its own precision, as the code as written does.
-            if _tracing(q) or _needs_grad(scale_tensor) or q.dtype in (torch.float32, torch.float64):
+            if is_tracing(q) or _needs_grad(scale_tensor) or q.dtype in (torch.float32, torch.float64):
                 q = q * scale_tensor
             else:
                 scale = scale * float(scale_tensor)
@@ -272,7 +142,7 @@ class AttentionSite(nn.Module):
             kwargs["window"] = spec.window
         if self.score_mod is not None:
             kwargs["score_mod"] = self.score_mod
-        tracing = _tracing(q) and not self.tuning_run
+        tracing = is_tracing(q) and not self.tuning_run
         min_rows = None
         as_written = False
         if spec.min_rows != "none" and not use_causal and mask is not None and mask.is_floating_point():
@@ -341,7 +211,7 @@ class AttentionSite(nn.Module):
     def _guards_hold(self, guarded: tuple[torch.Tensor, ...]) -> bool:
         if not self.guards:
             return True
-        if any(_tracing(t) for t in guarded):
+        if any(is_tracing(t) for t in guarded):
             # buffers are checked at the compiled graph's boundary instead; run-time terms cannot be
             # checked there, so a compiled graph passes the mask tensor
             return not any(isinstance(g, ConditionGuard) for g in self.guards)
@@ -357,7 +227,7 @@ class AttentionSite(nn.Module):
     def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> str:
         if self.candidate != AUTO:
             return self.candidate
-        if self.selector is None or (_tracing(q) and not self.tuning_run):
+        if self.selector is None or (is_tracing(q) and not self.tuning_run):
             return self._last or "math"
         mask = kwargs["attn_mask"]
         grad = _needs_grad(q, k, v, mask)
@@ -389,7 +259,7 @@ class AttentionSite(nn.Module):
         name = self._choice(q, k, v, kwargs)
         if name in self._failed:
             name = "math"
-        if _tracing(q) and not self.tuning_run:
+        if is_tracing(q) and not self.tuning_run:
             # inside a compiled graph: what the checked eager run of this candidate ran
             return get_candidate(self._ran.get(name, name))(q, k, v, **kwargs)
         grad = _needs_grad(q, k, v, kwargs["attn_mask"])
@@ -399,7 +269,7 @@ class AttentionSite(nn.Module):
         fn = get_candidate(name)
         try:
             if grad and name not in _TWICE_DIFFERENTIABLE:
-                return _recomputable(self, fn, q, k, v, kwargs)
+                return recomputable(self, fn, q, k, v, kwargs)
             return fn(q, k, v, **kwargs)
         except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
             warnings.warn(f"attnopt: candidate {name!r} failed at {self.site_name} ({self.where}): "
@@ -529,105 +399,3 @@ def _compare_with_reference(fn: Any, spec: AttentionSpec, q: torch.Tensor, k: to
     return None
 
 
-class _Recomputable(torch.autograd.Function):
-    """A candidate's forward with a backward that works wherever autograd's does.
-
-    The forward runs the candidate under autograd on detached inputs and keeps its graph. The
-    backward is that graph's (the candidate's own fused backward) unless autograd records the
-    backward itself (``create_graph=True``): then the reference computation is recomputed
-    differentiably from the saved inputs, so gradients of gradients are exact. A backward that
-    raises (e.g. a kernel under ``torch.autocast``) is recomputed the same way, with a warning.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, site: Any, fn: Any, kwargs: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        inner = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                 else t for t in (q, k, v, mask)]
-        with torch.enable_grad():
-            out = fn(*inner[:3], **dict(kwargs, attn_mask=inner[3]))
-        ctx.site, ctx.kwargs, ctx.inner, ctx.out = site, kwargs, inner, out
-        ctx.save_for_backward(q, k, v, mask)
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        need = ctx.needs_input_grad[3:7]
-        grads: list[torch.Tensor | None] = [None] * 4
-        create_graph = torch.is_grad_enabled()  # autograd records this backward (double backward)
-        if not create_graph:  # an ordinary backward: the candidate's own
-            targets = [i for i in range(4) if need[i] and ctx.inner[i] is not None and ctx.inner[i].requires_grad]
-            try:
-                got = torch.autograd.grad(ctx.out, [ctx.inner[i] for i in targets], grad_out, retain_graph=True,
-                                          allow_unused=True)
-                for i, g in zip(targets, got):
-                    grads[i] = g
-                return (None, None, None, *grads)
-            except Exception as e:  # noqa: BLE001 - never break the user's backward; recompute it instead
-                warnings.warn(f"attnopt: the backward of the candidate at {ctx.site.site_name} ({ctx.site.where}) "
-                              f"failed ({type(e).__name__}: {e}); recomputing it with the reference computation",
-                              stacklevel=2)
-        saved = ctx.saved_tensors
-        with torch.enable_grad():
-            if create_graph:
-                inputs = list(saved)
-            else:
-                inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
-                          and t.is_floating_point() else t for t in saved]
-            targets = [i for i in range(4) if need[i] and isinstance(inputs[i], torch.Tensor)
-                       and inputs[i].requires_grad]
-            with torch.autocast(grad_out.device.type, enabled=False):
-                out = reference_attention(*inputs[:3], **dict(ctx.kwargs, attn_mask=inputs[3]))
-            got = torch.autograd.grad(out, [inputs[i] for i in targets], grad_out.to(out.dtype),
-                                      create_graph=create_graph, allow_unused=True)
-        for i, g in zip(targets, got):
-            grads[i] = None if g is None else g.to(saved[i].dtype)
-        return (None, None, None, *grads)
-
-
-class _TwiceDifferentiable(torch.autograd.Function):
-    """Identity on a candidate's output ``out = fn(q, k, v, mask)`` that makes its backward differentiable.
-
-    For candidates whose backward is PyTorch's own (the SDPA family): an ordinary backward passes the
-    gradient through to the candidate's fused backward (no second autograd pass, one extra node);
-    when autograd records the backward (``create_graph=True``) it sends nothing to the candidate and
-    returns the reference computation's gradients for q, k, v and the mask, computed differentiably.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, kwargs: dict, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        ctx.kwargs = kwargs
-        ctx.save_for_backward(q, k, v, mask)
-        return out.clone()  # a new tensor: the caller may write it in place
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        if not torch.is_grad_enabled():
-            return None, grad_out, None, None, None, None
-        saved = ctx.saved_tensors
-        need = ctx.needs_input_grad[2:6]
-        targets = [i for i in range(4) if need[i]]
-        with torch.autocast(grad_out.device.type, enabled=False):
-            out = reference_attention(*saved[:3], **dict(ctx.kwargs, attn_mask=saved[3]))
-        got = torch.autograd.grad(out, [saved[i] for i in targets], grad_out.to(out.dtype), create_graph=True,
-                                  allow_unused=True)
-        grads: list[torch.Tensor | None] = [None] * 4
-        for i, g in zip(targets, got):
-            grads[i] = None if g is None else g.to(saved[i].dtype)
-        return (None, None, *grads)
-
-
-#: Candidates whose backward is PyTorch's own autograd (it works under autocast and checkpointing):
-#: their output only needs the cheap :class:`_TwiceDifferentiable` node.
-_NATIVE_BACKWARD = frozenset(("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"))
-
-
-def _recomputable(site: Any, fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  kwargs: dict) -> torch.Tensor:
-    if torch._C._are_functorch_transforms_active():
-        return fn(q, k, v, **kwargs)  # functorch transforms differentiate the candidate's own graph
-    rest = {n: a for n, a in kwargs.items() if n != "attn_mask"}
-    if getattr(fn, "name", None) in _NATIVE_BACKWARD:
-        return _TwiceDifferentiable.apply(rest, fn(q, k, v, **kwargs), q, k, v, kwargs["attn_mask"])
-    return _Recomputable.apply(site, fn, rest, q, k, v, kwargs["attn_mask"])

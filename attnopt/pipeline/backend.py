@@ -2,7 +2,7 @@
 
 Dynamo captures the graph (graph breaks, Python control flow, guards and recompiles for new
 shapes are its job) and calls :func:`attnopt_backend` once per captured graph with the
-graph's example inputs. The backend runs :func:`attnopt.pipeline.run_pipeline` and returns
+graph's example inputs. The backend runs :func:`attnopt.pipeline.optimize.run_pipeline` and returns
 the rewritten graph's ``forward`` (eager, no C++ compiler needed) or, with
 ``compile=True``, Inductor's compiled version of it. Any failure leaves the graph as
 captured and warns with the cause: attnopt never breaks a model.
@@ -20,11 +20,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .config import OptimizeConfig
-from .pipeline import run_pipeline
+from ..config import OptimizeConfig
+from ..env import AUTO
+from ..runtime.guards import BufferGuard
+from ..runtime.site import GUARDED_ARGS_START, AttentionSite
+from ..selection.selector import Selector
+from .optimize import run_pipeline
 from .report import Report
-from .runtime import AUTO, GUARDED_ARGS_START, AttentionSite, BufferGuard
-from .selector import Selector
 
 log = logging.getLogger("attnopt")
 

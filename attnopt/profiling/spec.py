@@ -68,7 +68,7 @@ class Target:
 
 
 def _nanogpt(max_seq_len: int) -> tuple[nn.Module, Callable[[int, int], Any]]:
-    from .models import GPTConfig, NanoGPT
+    from ..models import GPTConfig, NanoGPT
 
     config = GPTConfig(block_size=max_seq_len, n_layer=4, n_head=4, n_embd=128)
     model = NanoGPT(config)
@@ -80,7 +80,7 @@ def _nanogpt(max_seq_len: int) -> tuple[nn.Module, Callable[[int, int], Any]]:
 
 
 def _bert(max_seq_len: int) -> tuple[nn.Module, Callable[[int, int], Any]]:
-    from .models import BertConfig, BertEncoder
+    from ..models import BertConfig, BertEncoder
 
     config = BertConfig(max_position=max_seq_len, n_layer=4, n_head=4, n_embd=128)
     model = BertEncoder(config)

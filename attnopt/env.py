@@ -1,0 +1,77 @@
+"""One source for what the whole package reads: its version, the variant names, the environment knobs.
+
+Every ``ATTNOPT_*`` variable is read here, at call time (tests and users may set them after import):
+
+* ``ATTNOPT_VARIANT``: overrides the ``variant`` of :func:`attnopt.optimize` (:func:`variant_override`);
+* ``ATTNOPT_STRICT=1``: sites re-check every tensor a proof read on every call (:func:`strict_guards`);
+* ``ATTNOPT_CACHE=0``: the tuning cache keeps results in memory only (:func:`disk_cache_enabled`);
+* ``ATTNOPT_CACHE_DIR``: where the tuning cache lives (:func:`cache_dir_override`).
+"""
+
+from __future__ import annotations
+
+import os
+
+__version__ = "0.1.0"
+
+#: The variant that makes a site ask its selector per shape key.
+AUTO = "auto"
+#: The variant that rewrites nothing (an A/B baseline).
+EAGER = "eager"
+#: Variant names accepted besides the registered candidates' names.
+VARIANTS = (AUTO, "sdpa", EAGER)
+
+_OFF_VALUES = frozenset(("0", "off", "false", "no"))
+_ON_VALUES = frozenset(("", "1", "on", "true", "yes"))
+
+
+def variant_override() -> str:
+    """``$ATTNOPT_VARIANT``, or ``""`` when unset."""
+    return os.environ.get("ATTNOPT_VARIANT", "").strip()
+
+
+def strict_guards() -> bool:
+    """``ATTNOPT_STRICT=1``: re-check the content of every tensor a proof read on every call.
+
+    For code that writes proof inputs in ways PyTorch's version counter does not see
+    (``.data``, ``.numpy()``, DLPack, ``set_``).
+    """
+    return os.environ.get("ATTNOPT_STRICT", "").strip() not in ("", "0", "false", "False")
+
+
+def disk_cache_enabled() -> bool:
+    """``$ATTNOPT_CACHE``: False for ``0``/``off``/``false``/``no``; a clear error for values it cannot read."""
+    value = os.environ.get("ATTNOPT_CACHE", "").strip().lower()
+    if value in _OFF_VALUES:
+        return False
+    if value in _ON_VALUES:
+        return True
+    raise ValueError(f"ATTNOPT_CACHE={value!r} is not understood; set it to '0'/'off' to keep tuning results "
+                     "in memory only, or '1'/'on' (or leave it unset) to keep them on disk")
+
+
+def cache_dir_override() -> str | None:
+    """``$ATTNOPT_CACHE_DIR``, or None when unset or empty."""
+    return os.environ.get("ATTNOPT_CACHE_DIR") or None
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``512 * 2**20``, ``"512MiB"``, ``"2GB"`` or None -> bytes (or None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"memory_budget must be a number of bytes or a string like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        if unit not in _UNITS or not digits:
+            raise ValueError(f"cannot read memory_budget {value!r}; write bytes as an int or e.g. '512MiB', '2GB'")
+        n = int(float(digits) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"memory_budget must be positive, got {value!r}")
+    return n

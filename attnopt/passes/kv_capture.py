@@ -1,0 +1,236 @@
+"""Capture passes for the KV cache: a causal LM's ``forward(idx)`` as one ATen graph, and what it may cache.
+
+* :func:`capture_lm`: ``torch.export`` with dynamic batch and length, returning only the logits
+  (:func:`logits_of` picks them from a tensor, a tuple or ``.logits``), tidied so that export's
+  spellings read like the model's;
+* :func:`not_cacheable`: why a matched site cannot attend to a cache (no causal proof, dropout,
+  score modifiers, run-time conditions, windows, finite fills), or None;
+* :func:`mask_check`: the run-time :class:`~attnopt.runtime.kv_cache.MaskCheck` for a mask of sizes alone;
+* :func:`config_max`, :func:`resolve_max_len`, :func:`cache_bytes_per_token`: how long the caches are
+  and what they cost.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from ..runtime.kv_cache import MaskCheck
+from ..spec import AttentionSpec
+from .canon import meta_value, shape_of
+from .find_sites import Match
+from .masks import Add
+from .positions import PositionError, PositionPlan
+
+aten = torch.ops.aten
+
+#: Config attributes that name a model's maximum number of positions, most specific first.
+_CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+
+
+def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None:
+    if spec.causal is None and not mask_checked:
+        mask = "it has no mask" if spec.mask == "none" else f"its {spec.mask} mask is not proven causal"
+        return f"is not proven to be causal self-attention ({mask})"
+    if spec.dropout_mode == "on":
+        return "has active dropout (call model.eval() before generating)"
+    if spec.score_mod is not None:
+        return f"modifies its scores ({spec.score_mod})"
+    if spec.conditions:
+        return ("is causal only while a mask term computed at run time (e.g. a padding mask) hides no key, "
+                "which the cache cannot check")
+    if spec.window is not None:
+        return f"attends through a sliding window of {spec.window} keys, which the cache does not apply yet"
+    if spec.fill_value is not None:
+        return (f"fills masked scores with the finite value {spec.fill_value:g}, which is exact only under a "
+                "per-call bound the cache does not check")
+    return None
+
+
+def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Node, Any]:
+    """``forward(idx)`` as an ATen graph with symbolic batch and length, returning only the logits."""
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    example = torch.zeros(2, example_len, dtype=torch.long, device=device)
+    dim = torch.export.Dim.AUTO
+    params = list(inspect.signature(model.forward).parameters)
+    # Hugging Face models build their own cache object unless told not to; it is not part of the logits.
+    kwargs = {"use_cache": False} if "use_cache" in params else {}
+    dynamic = {params[0]: {0: dim, 1: dim}, **{k: None for k in kwargs}} if params else None
+    try:
+        ep = torch.export.export(model, (example,), kwargs, dynamic_shapes=dynamic)
+    except Exception as e:
+        raise RuntimeError(f"torch.export could not capture {type(model).__name__}.forward(idx) with a dynamic "
+                           f"batch and sequence length: {type(e).__name__}: {e}") from e
+    if ep.graph_signature.buffers_to_mutate:
+        raise PositionError(f"{type(model).__name__}.forward writes its buffers "
+                            f"({', '.join(ep.graph_signature.buffers_to_mutate.values())}); a model that keeps "
+                            "state between calls cannot be cached by attnopt")
+    module = ep.module()
+    graph = module.graph
+    graph._codegen = fx.graph.CodeGen()  # plain forward(tokens, ...) -> logits, no pytree wrapping
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            graph.erase_node(node)  # input range checks; the cache checks max_len itself
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for extra in placeholders[1:]:  # use_cache=False: specialised at capture, unused
+        if not extra.users:
+            graph.erase_node(extra)
+            placeholders.remove(extra)
+    if len(placeholders) != 1:
+        raise PositionError(f"{type(model).__name__}.forward(idx) was captured with {len(placeholders)} inputs; "
+                            "only forward(idx) with token ids is supported")
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    sentinels = [torch.empty(0) for _ in flat]
+    try:
+        chosen = logits_of(pytree.tree_unflatten(sentinels, ep.call_spec.out_spec))
+        index = next(i for i, s in enumerate(sentinels) if s is chosen)
+    except (TypeError, StopIteration) as e:
+        raise PositionError(f"{type(model).__name__}.forward must return logits: a tensor, a tuple whose first "
+                            "item is the logits, or an object with .logits") from e
+    out.args = (flat[index],)
+    gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
+    _tidy(gm)
+    return gm, placeholders[0], ep
+
+
+_FULL_END = 2**63 - 1  # the end ``x[a:]`` records in ATen graphs
+
+
+def _tidy(gm: fx.GraphModule) -> None:
+    """Undo spellings ``torch.export`` adds, so attention matches as it does in dynamo graphs.
+
+    ``aten._assert_tensor_metadata`` (a dtype check after ``.float()``) is dropped; ``a.type_as(b)`` and
+    ``a.float()`` (``aten.to.dtype``) become ``aten._to_copy(a, dtype=...)``; ``x[:, :]`` (a slice from 0 to
+    the end) and inactive dropout (``aten.dropout(x, p, train=False)`` or ``p == 0``) become ``x``.
+    None of them changes a value; active dropout stays, and the position analysis refuses it.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+        elif node.target in (aten.type_as.default, aten.to.dtype):
+            with graph.inserting_before(node):
+                cast = graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": meta_value(node).dtype})
+            cast.meta.update(node.meta)
+            node.replace_all_uses_with(cast)
+            graph.erase_node(node)
+        elif node.target is aten.slice.Tensor and tuple(node.args[2:]) in ((0, _FULL_END), (None, _FULL_END),
+                                                                          (0, _FULL_END, 1), (None, _FULL_END, 1)) \
+                or node.target is aten.dropout.default and (node.args[1] == 0 or node.args[2] is False):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+def config_max(model: nn.Module) -> int | None:
+    config = getattr(model, "config", getattr(model, "cfg", None))
+    for name in _CONFIG_MAX:
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def resolve_max_len(requested: int | None, declared: int | None, plan: PositionPlan, ep: Any,
+                     tokens: fx.Node) -> tuple[int, str]:
+    """The cache length: requested, else declared by the config, else the tightest bound the graph shows."""
+    hard = list(plan.bounds)
+    seq = plan.seq
+    vr = ep.range_constraints.get(seq)
+    if vr is not None:
+        if isinstance(vr.upper, (int, sympy.Integer)):
+            hard.append(("a length check in forward", int(vr.upper)))
+    tightest = min(hard, key=lambda b: b[1], default=None)
+    if requested is not None:
+        if tightest is not None and requested > tightest[1]:
+            raise ValueError(f"max_len={requested} exceeds what the model can index: {tightest[1]} positions "
+                             f"({tightest[0]})")
+        return requested, "requested"
+    if declared is not None:
+        if tightest is not None and declared > tightest[1]:
+            return tightest[1], tightest[0]
+        return declared, "the model's config"
+    if tightest is not None:
+        return tightest[1], tightest[0]
+    raise ValueError("could not find the model's maximum number of positions (no config.block_size / "
+                     "max_position_embeddings, position table or length check); pass max_len=")
+
+
+def cache_bytes_per_token(site_nodes: list[fx.Node], tokens: fx.Node) -> int | None:
+    """K and V bytes per position of one sequence, read from the symbolic shapes of the site inputs."""
+    shape = shape_of(tokens)
+    assert shape is not None
+    per_seq = shape[0] * shape[1]
+    total = 0
+    for node in site_nodes:
+        for x in node.args[1:3]:
+            val = meta_value(x)
+            if not isinstance(val, torch.Tensor):
+                return None
+            count = sympy.simplify(sympy.sympify(val.numel()) / sympy.sympify(per_seq))
+            if not count.is_Integer:
+                return None
+            total += int(count) * val.element_size()
+    return total
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits of a forward's result: a tensor, ``(logits, ...)``, or ``.logits``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the model returned {type(out).__name__}; expected logits: a tensor, a tuple whose first "
+                    "item is the logits, or an object with .logits")
+
+
+def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8) -> MaskCheck | str:
+    """The check for ``m``'s mask (already checked at lengths ``1..upto``), or why it cannot be used."""
+    if len(m.mask.terms) != 1:
+        return "it combines several masks"
+    term = m.mask.terms[0]
+    node = term.mask if isinstance(term, Add) else term.cond
+    pending, seen = [node], set()
+    while pending:
+        n = pending.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is tokens:
+            return "its mask depends on the token values"
+        if n.op == "call_function" and n.target is aten.sym_size.int:
+            continue  # only the tokens' sizes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and torch.Tag.nondeterministic_seeded in n.target.tags:
+            return "its mask is random"
+        pending.extend(n.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(gm.graph, env)
+    graph.output(env[node])
+    graph.eliminate_dead_code()
+    where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
+    check = MaskCheck(fx.GraphModule(gm, graph), isinstance(term, Add), getattr(term, "keep_when_true", False),
+                      m.record.name, where)
+    for length in range(1, upto + 1):  # refuse masks that are plainly not causal now, not at the first call
+        try:
+            if not check.holds(2, length, tokens.meta["val"].device):
+                return f"its mask is not causal at length {length}"
+        except Exception as e:  # noqa: BLE001 - a mask attnopt cannot evaluate is a mask it cannot trust
+            return f"its mask could not be evaluated at length {length} ({type(e).__name__}: {e})"
+    return check

@@ -1,0 +1,129 @@
+"""The KV-cache route: ``cached(model)`` builds a :class:`~attnopt.runtime.cached_lm.CachedLM`.
+
+capture (``passes.kv_capture``) -> find sites -> keep the cacheable ones -> rewrite them to site
+modules -> swap each for a :class:`~attnopt.runtime.kv_cache.KVCacheAttention` -> prove positions
+-> shift positions by the offset -> pin what the capture read. See :mod:`attnopt.generation`
+for why the result computes the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..kernels.registry import get_candidate
+from ..passes.find_sites import Match, find_sites
+from ..passes.kv_capture import (
+    cache_bytes_per_token,
+    capture_lm,
+    config_max,
+    mask_check,
+    not_cacheable,
+    resolve_max_len,
+)
+from ..passes.positions import analyse_positions, offset_positions
+from ..passes.rewrite_sdpa import rewrite_sites
+from ..runtime.cached_lm import CachedLM, watch_model
+from ..runtime.kv_cache import KVCacheAttention, MaskCheck
+from ..runtime.site import AttentionSite
+from ..selection.selector import Selector
+
+
+def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False) -> CachedLM:
+    """Capture ``model`` (a causal LM, ``forward(idx) -> logits (B, T, vocab)``) and build its cached version.
+
+    Args:
+        model: returns logits for every position: a tensor, a tuple whose first item is the logits
+            (nanoGPT's ``(logits, loss)``), or an object with ``.logits``. Dropout must be inactive.
+        max_len: positions the caches hold. Default: the model's maximum positions when they can be
+            found (``config.block_size``/``max_position_embeddings``/..., position tables, length checks
+            in ``forward``). A value beyond a position table or check of the model is refused.
+        variant: the candidate that attends to the cache: ``"sdpa"`` (default), any registered
+            candidate, or ``"auto"``: the selector times the legal candidates for the prefill and
+            decode shapes (per power-of-two bucket of the cached length; the tuning cache on disk
+            makes later runs free) and keeps the fastest.
+        compile: hand the cached graph to Inductor (``torch.compile(..., dynamic=True)``): fused
+            elementwise ops, fewer dispatches per step. Compiling takes tens of seconds on the first
+            prefill and step; not with ``variant="auto"`` (the choice must be made before tracing).
+
+    Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
+    ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not. ``prefill``
+    and ``step`` raise :class:`ModelChangedError` once a tensor of ``model`` the cached graph reads was
+    replaced by another object or converted to another dtype or device, a buffer a causal proof read lost
+    the proven pattern, or a plain attribute of a submodule (or its ``training`` flag, its children, its
+    forward hooks) differs from the capture. Weights written in place are followed: before a ``prefill``
+    they are used by it; after it, the next ``step`` recomputes the sequence with them (see
+    :meth:`CachedLM.step`).
+
+    Raises:
+        PositionError: the model is not provably cacheable; the message names the op and line.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attnopt.generation.cached expects a torch.nn.Module, got {type(model).__name__}")
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}")
+    if variant != "auto":
+        get_candidate(variant)  # a clear error for an unknown name
+    elif compile:
+        raise ValueError("compile=True needs a fixed candidate (e.g. variant='sdpa'): the selector times "
+                         "candidates eagerly, which a compiled graph cannot do")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r}")
+    selector = Selector() if variant == "auto" else None
+    declared = config_max(model)
+    example_len = 4 if declared is None else max(2, min(4, declared))
+    gm, tokens, ep = capture_lm(model, example_len)
+    graph = gm.graph
+    found = [f for f in find_sites(gm, {}) if isinstance(f, Match)]
+    chosen, notes, checks = [], {}, []
+    for m in found:
+        why = not_cacheable(m.spec)
+        if why is not None and m.spec.causal is None and m.spec.mask != "none":
+            check = mask_check(gm, m, tokens, min(8, declared or 8))  # a mask of sizes alone: causal?
+            if isinstance(check, MaskCheck):
+                why, checks = not_cacheable(m.spec, mask_checked=True), [*checks, check]
+            else:
+                why = f"{why[:-1]}: {check})"
+        if why is None:
+            chosen.append(m)
+        else:
+            where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
+            for n in m.internal:
+                notes[n] = f"it belongs to the attention {m.record.name} ({where}), which {why}"
+    proofs = [(str(buf.target), cuts, values, m.record.name) for m in chosen
+              for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
+    if chosen:
+        rewrite_sites(gm, chosen, "sdpa", {})
+    with graph.inserting_after(tokens):
+        offset = graph.placeholder("offset")
+    sites, site_nodes = [], []
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), AttentionSite):
+            continue
+        old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
+        q, k, v, _mask, scale = node.args[:5]
+        site = KVCacheAttention(old.site_name, old.spec, 1, old.where, variant, selector)
+        name = f"attnopt_kv_{old.site_name}"
+        gm.add_submodule(name, site)
+        with graph.inserting_before(node):
+            new = graph.call_module(name, (q, k, v, scale, offset))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        sites.append(site)
+        site_nodes.append(new)
+    graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    plan = analyse_positions(gm, tokens, site_nodes, notes)  # no sites: position-wise, nothing to cache
+    offset_positions(gm, plan, offset)
+    limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)
+    for s in sites:
+        s.max_len = limit
+    lm = CachedLM(gm, sites, limit, source, cache_bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
+    lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
+    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)
+    if compile:
+        lm.run = torch.compile(gm, dynamic=True)
+    return lm
+
+

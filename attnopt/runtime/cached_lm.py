@@ -1,0 +1,523 @@
+"""The cached causal LM at run time: ``prefill``/``step``, and the watch over the model it was built from.
+
+:class:`CachedLM` runs new tokens only, attending to the caches of its
+:class:`~attnopt.runtime.kv_cache.KVCacheAttention` sites. :class:`Watch` (built by
+:func:`watch_model`) pins the model's tensors the cached graph reads, the buffers its causal
+proofs read and the plain attributes the capture made constants, and raises
+:class:`ModelChangedError` when one changes in a way the cache does not follow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from tabulate import tabulate
+
+from ..kernels.bands import is_band
+from ..spec import PositionError
+from .kv_cache import KVCacheAttention, MaskCheck
+
+
+class ModelChangedError(RuntimeError):
+    """The model changed after :func:`cached` in a way the cached model does not follow.
+
+    A tensor the cached graph computes with was replaced by another object (assigned, deleted and
+    registered again, ``load_state_dict(..., assign=True)``) or converted to another dtype or device
+    (``model.double()``, ``.bfloat16()``, ``.to(device)``: the same objects with other data); a buffer a
+    causal proof read (nanoGPT's ``tril`` mask) no longer holds the proven pattern; a plain attribute of a
+    submodule or of a config dataclass it holds (a number, flag, string, dtype, ... that the capture made a
+    constant), its ``training`` flag (``model.train()``), its submodules or its forward hooks differ from
+    the capture. The message names the tensor, module or attribute; build the cached model again with
+    ``attnopt.generation.cached(model)`` (which refuses a model that is no longer causal). An attribute set
+    back to its value at capture (``model.eval()`` again) makes the cached model serve again.
+    """
+
+
+@dataclass
+class _Pin:
+    """One model tensor the cached model depends on, by its name in the model."""
+
+    path: str
+    tensor: torch.Tensor  # the object at capture (held: identity, not the address, which the allocator reuses)
+    read: bool  # the cached graph or a mask check computes with this very object
+    patterns: list[tuple[tuple[Any, ...], tuple[Any, ...], str]] = field(default_factory=list)  # (cuts, values, site)
+    checks: list[MaskCheck] = field(default_factory=list)  # run-time mask checks that read its values
+    version: int = 0
+    ptr: int = 0
+    dtype: torch.dtype | None = None  # at capture: the graph's ops were captured for it
+    device: torch.device | None = None
+    inference: bool = False  # an inference tensor has no version counter: only its storage is watched
+
+    def __post_init__(self) -> None:
+        self.dtype, self.device, self.inference = self.tensor.dtype, self.tensor.device, self.tensor.is_inference()
+        self.version, self.ptr = _stamp(self.tensor)
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    """What moves when ``t``'s values may have changed: its version counter (in-place writes) and storage
+    address (``.data =``, dtype and device conversions)."""
+    return (-1 if t.is_inference() else t._version), t.data_ptr()
+
+
+_MISSING = object()
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+#: nn.Module's own bookkeeping in ``__dict__`` (hook dicts, ``_compiled_call_impl``, ...), not the model's attributes.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format,
+          torch.layout, enum.Enum)
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its types as a comparable key when it is a plain value (a number, bool, string, None,
+    dtype, device, enum, or a tuple/list of those), else ``_MISSING``."""
+    if isinstance(value, _PLAIN):
+        return type(value), value
+    if isinstance(value, (tuple, list)):
+        items = tuple(_plain(v) for v in value)
+        return _MISSING if any(i is _MISSING for i in items) else (type(value), items)
+    return _MISSING
+
+
+def _moved(links: tuple[list[Any], list[Any], list[Any]]) -> bool:
+    """Whether any ``dicts[i][keys[i]]`` is not ``objects[i]`` (missing counts as None), in C loops."""
+    dicts, keys, objects = links
+    return any(map(operator.is_not, map(dict.get, dicts, keys), objects))
+
+
+def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
+    return tuple(list(c) for c in zip(*rows)) if rows else tuple([] for _ in range(width))
+
+
+def _mutable(value: Any) -> bool:
+    return isinstance(value, list) or isinstance(value, tuple) and any(_mutable(v) for v in value)
+
+
+class _Attrs:
+    """The plain Python state of a model that ``torch.export`` turned into constants of the graph.
+
+    For every submodule: its plain ``__dict__`` entries (numbers, bools, strings, None, dtypes, devices,
+    enums and tuples/lists of those, and ``training``), its children (by identity) and how many forward
+    hooks it has; the same plain entries of config objects a module holds (dataclasses, or objects with
+    ``to_dict`` such as Hugging Face configs). :meth:`check` compares by identity first (one dict lookup per
+    entry; lists by value), and only on a difference compares values, so an equal value assigned again is
+    no change; a real change raises :class:`ModelChangedError` naming the attribute's path.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._keep(*self._take())
+
+    def _keep(self, snapshot: dict[str, Any], same: list[Any], lists: list[Any], sizes: list[Any]) -> None:
+        self.snapshot, self.lists = snapshot, lists
+        self.same = _columns(same, 3)
+        self.sized, self.sizes = _columns(sizes, 2)
+
+    def _take(self) -> tuple[dict[str, tuple[str, Any, Any]], list[Any], list[Any], list[Any]]:
+        """``{path: (kind, key, shown)}`` for every pinned item, and the lists :meth:`check` walks."""
+        snap: dict[str, tuple[str, Any, Any]] = {}
+        same: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, object): must be that very object
+        lists: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, frozen): mutable, compared by value
+        sizes: list[tuple[Any, int]] = []  # (dict, len): an entry added or removed
+        owners, seen = [], set()
+        for path, mod in self.model.named_modules():
+            owners.append((path, mod))
+            seen.add(id(mod))
+        for path, obj in owners:
+            d = obj.__dict__
+            sizes.append((d, len(d)))
+            module = isinstance(obj, nn.Module)
+            if module:
+                for name, child in obj._modules.items():
+                    key = f"{path}.{name}" if path else name
+                    snap[key + " (module)"] = ("module", id(child), type(child).__name__)
+                    same.append((obj._modules, name, child))
+                sizes.append((obj._modules, len(obj._modules)))
+                for hooks in _HOOKS:
+                    snap[f"{path or '<root>'} {hooks}"] = ("hooks", len(d[hooks]), len(d[hooks]))
+                    sizes.append((d[hooks], len(d[hooks])))
+            for name, value in d.items():
+                if module and name in _MODULE_INTERNALS:
+                    continue
+                key = f"{path}.{name}" if path else name
+                frozen = _plain(value)
+                if frozen is not _MISSING:
+                    snap[key] = ("value", frozen, value)
+                    if _mutable(value):
+                        lists.append((d, name, frozen))
+                    else:
+                        same.append((d, name, value))
+                elif module and id(value) not in seen and not isinstance(value, type) and (
+                        dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None))) \
+                        and hasattr(value, "__dict__"):
+                    seen.add(id(value))
+                    owners.append((key, value))  # a config object: its fields, one level down
+        return snap, same, lists, sizes
+
+    def check(self) -> None:
+        if _moved(self.same) or list(map(len, self.sized)) != self.sizes:
+            return self._compare()
+        for d, key, frozen in self.lists:
+            if _plain(d.get(key, _MISSING)) != frozen:
+                return self._compare()
+        return None
+
+    def _compare(self) -> None:
+        before, (now, same, lists, sizes) = self.snapshot, self._take()
+        name = type(self.model).__name__
+        again = "call attnopt.generation.cached(model) again to build the cached model from the model as it is now"
+        for path in [*before, *(p for p in now if p not in before)]:
+            old, new = before.get(path), now.get(path)
+            if old is not None and new is not None and old[:2] == new[:2]:
+                continue
+            kind = (old or new)[0]  # type: ignore[index]
+            if kind == "module":
+                what = ("was added" if old is None else "was removed" if new is None
+                        else f"was replaced by another {new[2]}")
+                raise ModelChangedError(
+                    f"submodule `{path[:-len(' (module)')]}` of {name} {what} after attnopt.generation.cached(model); "
+                    f"the cached graph runs the forward captured from the old one: {again}")
+            if kind == "hooks":
+                raise ModelChangedError(
+                    f"`{path}` of {name}: forward hooks were added or removed after attnopt.generation.cached(model) "
+                    f"({old[1] if old else 0} at capture, {new[1] if new else 0} now); the cached graph does not "
+                    f"run them as the model as written now does: {again}")
+            if path == "training" or path.endswith(".training"):
+                if old is not None and new is not None and new[2] is True:
+                    raise ModelChangedError(
+                        f"`{path}` of {name} was switched to training mode (model.train()) after "
+                        "attnopt.generation.cached(model), which was built in eval mode: generation with active "
+                        "dropout (or other training-mode behaviour) is not supported by the cache; call "
+                        "model.eval() before prefill/step")
+                raise ModelChangedError(
+                    f"`{path}` of {name} was switched to eval mode after attnopt.generation.cached(model), which "
+                    f"captured it in training mode: call model.train() again, or build it in eval mode: {again}")
+            shown = ("was set to " + repr(new[2]) + " (it did not exist at capture)" if old is None
+                     else "was deleted" if new is None else f"changed from {old[2]!r} to {new[2]!r}")
+            raise ModelChangedError(
+                f"`{path}` of {name} {shown} after attnopt.generation.cached(model); the capture read Python "
+                f"attributes as constants, so the cached graph computes with the old value: {again}")
+        # No difference (an equal value assigned again, a non-plain attribute added): the fast lists follow
+        # the objects there now. After a difference they keep the capture's, so every call compares again.
+        self._keep(now, same, lists, sizes)
+        return None
+
+
+def _resolve_path(model: nn.Module, path: str) -> tuple[dict[str, Any] | None, list[tuple[dict[str, Any], str, Any]]]:
+    """The chain of dicts that hold ``path`` in ``model`` (``_modules`` down to ``_parameters``/``_buffers``/
+    ``__dict__``) as ``(dict, key, object)``; the first item is the last dict, None when the name is gone."""
+    *mods, name = path.split(".")
+    links: list[tuple[dict[str, Any], str, Any]] = []
+    owner: Any = model
+    for part in mods:
+        child = owner._modules.get(part) if isinstance(owner, nn.Module) else None
+        if child is None:
+            return None, links
+        links.append((owner._modules, part, child))
+        owner = child
+    for where in (owner._parameters, owner._buffers, owner.__dict__):
+        if name in where:
+            links.append((where, name, where[name]))
+            return where, links
+    return None, links
+
+
+class Watch:
+    """Checks, before every prefill and step, that the model still is what the cached model was built from.
+
+    Every tensor the cached graph (or a :class:`MaskCheck`) reads is pinned to its *object*: a parameter or
+    buffer replaced by another one is not what the graph computes with, so the call raises
+    :class:`ModelChangedError`. In-place writes reach the graph (it shares the tensors), so weight updates
+    need nothing; but a buffer whose *values* a causal proof read (its band pattern) is also pinned to its
+    version counter and storage: when either moved, the pattern is checked again (:func:`runtime.is_band`)
+    and the call raises if it no longer holds. A proof-only buffer (the rewritten graph no longer reads it)
+    may be replaced by another tensor holding the same pattern. Mask checks read again after their
+    tensors changed. A tensor the graph reads converted to another dtype or device (the same object with
+    other data: ``model.double()``) raises; the plain attributes of the model are checked by :class:`_Attrs`.
+    :meth:`check` returns whether a tensor the graph reads was written (version or storage moved) since the
+    last check. The per-call cost is one dict lookup per module and tensor on the pinned names, and one
+    version and address read per pinned tensor, plus :class:`_Attrs`.
+    """
+
+    def __init__(self, model: nn.Module, pins: list[_Pin]):
+        self.model = model
+        self.pins = pins
+        self.valued = [p for p in pins if p.patterns or p.checks]
+        self.links: tuple[list[Any], ...] = ([], [], [])
+        self._link()
+        self.attrs = _Attrs(model)
+
+    def _link(self) -> None:
+        seen: set[tuple[int, str]] = set()
+        links = []
+        for p in self.pins:
+            for d, key, obj in _resolve_path(self.model, p.path)[1]:
+                if (id(d), key) not in seen:
+                    seen.add((id(d), key))
+                    links.append((d, key, obj))
+        self.links = _columns(links, 3)
+        self.tensors = [p.tensor for p in self.pins]
+        self.counted = [p.tensor for p in self.pins if not p.inference]
+        self.ptrs = [p.ptr for p in self.pins]
+        self.versions = [p.version for p in self.pins if not p.inference]
+
+    @property
+    def paths(self) -> list[str]:
+        return [p.path for p in self.valued]
+
+    def check(self) -> bool:
+        """Raise :class:`ModelChangedError` if the model is not the captured one; True if a tensor the graph
+        reads was written since the last check (so keys and values cached before are stale)."""
+        written = self._tensors()
+        self.attrs.check()
+        return written
+
+    def _tensors(self) -> bool:
+        if _moved(self.links) or list(map(_VERSION, self.counted)) != self.versions \
+                or list(map(torch.Tensor.data_ptr, self.tensors)) != self.ptrs:
+            return self._recheck()
+        return False
+
+    def _recheck(self) -> bool:
+        name = type(self.model).__name__
+        again = "call attnopt.generation.cached(model) again to build the cached model from the model as it is now"
+        written = False
+        for p in self.pins:
+            where, _ = _resolve_path(self.model, p.path)
+            now = where[p.path.rsplit(".", 1)[-1]] if where is not None else None
+            if now is not p.tensor:
+                what = "was deleted" if now is None else "was replaced by another object"
+                if p.read or not isinstance(now, torch.Tensor):
+                    raise ModelChangedError(
+                        f"`{p.path}` of {name} {what} after attnopt.generation.cached(model) (assigned, registered "
+                        f"again or loaded with assign=True); the cached model computes with the old tensor: {again}")
+                p.tensor = now  # a proof-only buffer: the pattern decides below
+            elif _stamp(now) == (p.version, p.ptr):
+                continue
+            elif p.read and (now.dtype != p.dtype or now.device != p.device):
+                raise ModelChangedError(
+                    f"`{p.path}` of {name} was converted from {p.dtype} on {p.device} to {now.dtype} on {now.device} "
+                    f"after attnopt.generation.cached(model) (model.double(), .bfloat16(), .to(...)); the cached "
+                    f"graph was captured for {p.dtype} on {p.device}: {again}")
+            written |= p.read
+            for cuts, values, site in p.patterns:
+                if not is_band(now, cuts, values):
+                    raise ModelChangedError(
+                        f"`{p.path}` of {name} changed after attnopt.generation.cached(model) and no longer holds "
+                        f"the causal pattern the proof of {site} read, so the cache, which attends causally there, "
+                        f"no longer computes what the model as written does with the new values; {again}")
+            for c in p.checks:
+                c.checked.clear()  # evaluated again, on the new values
+                c.changed = p.path
+            p.version, p.ptr = _stamp(now)
+        self._link()
+        return written
+
+
+class CachedLM:
+    """A causal LM that runs new tokens only, attending to cached keys and values.
+
+    Built by :func:`cached`. ``prefill(idx)`` starts a batch of sequences; ``step(tokens)`` appends
+    tokens to all of them. ``length`` is the number of positions cached so far. The token ids of the
+    sequences are kept (``batch * max_len`` ids), so that a ``step`` after the model's weights were written
+    in place can recompute the whole sequence with the new weights (see :meth:`step`).
+
+    Attributes:
+        max_len: positions the caches hold (prompt plus generated tokens fed back).
+        bytes_per_token: cache bytes per position of one sequence (K and V of every site).
+        cache_bytes: bytes allocated now (``batch * max_len * bytes_per_token`` after a prefill).
+        sites: the cached attention modules, in graph order.
+        graph_module: the rewritten graph, ``forward(tokens, offset) -> logits``.
+        plan: what the position analysis found (a :class:`~attnopt.passes.positions.PositionPlan`: shifted
+            position readers, length bounds).
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, sites: list[KVCacheAttention], max_len: int,
+                 max_len_source: str, bytes_per_token: int | None, plan: Any, name: str):
+        self.graph_module = graph_module
+        self.sites = sites
+        self.max_len = max_len
+        self.max_len_source = max_len_source
+        self.bytes_per_token = bytes_per_token
+        self.plan = plan
+        self.name = name
+        self.length = 0
+        self.batch: int | None = None
+        self.mask_checks: list[MaskCheck] = []
+        self.watch: Watch | None = None  # the model's tensors the cache depends on (see Watch)
+        self.run = graph_module  # or its torch.compile'd version (cached(..., compile=True))
+        self.tokens: torch.Tensor | None = None  # (batch, max_len): the ids of positions 0 .. length - 1
+        self.stale = False  # weights the graph reads were written since the caches were filled
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(s.cache_bytes for s in self.sites)
+
+    def reset(self) -> None:
+        """Forget the cached sequences and free the caches."""
+        for s in self.sites:
+            s.reset()
+        self.length, self.batch, self.tokens, self.stale = 0, None, None, False
+
+    def prefill(self, idx: torch.Tensor) -> torch.Tensor:
+        """Run the prompt ``idx`` ``(B, T0)``; return its logits ``(B, T0, vocab)`` and cache K and V.
+
+        Computes with the model's weights as they are now (updates made in place before are used).
+
+        Raises:
+            ModelChangedError: the model is no longer the one captured (see :class:`ModelChangedError`).
+        """
+        check_tokens(idx, "idx")
+        self.reset()
+        if self.watch is not None:
+            self.watch.check()
+        self._check_room(idx.size(1))
+        self._check_masks(idx.size(0), idx.size(1), idx.device)
+        with torch.no_grad():
+            logits = self.run(idx, 0)
+        self.tokens = idx.new_empty((idx.size(0), self.max_len))
+        self.tokens[:, :idx.size(1)] = idx
+        self.length, self.batch = idx.size(1), idx.size(0)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` ``(B, t)`` to every sequence; return their logits ``(B, t, vocab)``.
+
+        If a tensor the cached graph reads was written in place since the last ``prefill``/``step`` (an
+        optimizer step, ``weight.mul_(...)``, ``load_state_dict``, ``.data =`` with the same dtype; seen by
+        its version counter or storage address), the cached keys and values were computed with the old
+        weights while the model as written recomputes every position with the new ones. The step then runs
+        the whole sequence kept so far plus ``tokens`` from position 0 (as a prefill, refilling the caches)
+        and returns the logits of ``tokens``: the full recompute's, at a prefill's cost once.
+        Writes that bypass the version counter (through ``.data``, ``.numpy()``, DLPack) are not seen, as
+        for attnopt's other guards (see the README's Exactness section).
+
+        Raises:
+            ModelChangedError: the model is no longer the one captured (see :class:`ModelChangedError`).
+        """
+        check_tokens(tokens, "tokens")
+        if self.batch is None:
+            raise RuntimeError("call prefill(idx) before step(tokens): the cache is empty")
+        if tokens.size(0) != self.batch:
+            raise ValueError(f"tokens has batch size {tokens.size(0)} but the cached sequences {self.batch}; "
+                             "call prefill(idx) to start a new batch")
+        if self.watch is not None:
+            try:
+                self.stale = self.watch.check() or self.stale
+            except ModelChangedError:
+                self.stale = True  # whatever moved with it: recompute once the model is the captured one again
+                raise
+        t = tokens.size(1)
+        end = self.length + t
+        self._check_room(end)
+        self._check_masks(self.batch, end, tokens.device)
+        assert self.tokens is not None
+        self.tokens[:, self.length:end] = tokens
+        with torch.no_grad():
+            if self.stale:
+                logits = self.run(self.tokens[:, :end], 0)[:, -t:]
+                self.stale = False
+            else:
+                logits = self.run(tokens, self.length)
+        self.length = end
+        return logits
+
+    def _check_masks(self, batch: int, length: int, device: torch.device) -> None:
+        for c in self.mask_checks:
+            try:
+                ok = c.holds(batch, length, device)
+            except Exception as e:
+                raise PositionError(f"the mask of {c.site_name} ({c.where}) could not be evaluated for {batch} "
+                                    f"sequence(s) of {length} tokens: {type(e).__name__}: {e}") from e
+            if not ok and c.changed is not None:
+                raise ModelChangedError(
+                    f"`{c.changed}` of {self.name} changed after attnopt.generation.cached(model), and the mask of "
+                    f"{c.site_name} ({c.where}) it builds is no longer causal for {batch} sequence(s) of {length} "
+                    "tokens; call attnopt.generation.cached(model) again to build the cached model from the model "
+                    "as it is now")
+            if not ok:
+                raise PositionError(f"the mask of {c.site_name} ({c.where}) is not causal for {batch} sequence(s) "
+                                    f"of {length} tokens, so the cache would not compute what the model does")
+
+    def _check_room(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"{needed} positions exceed max_len={self.max_len} ({self.max_len_source}); "
+                             "build the cached model with a larger max_len if the model allows it, "
+                             "or start again with a shorter sequence")
+
+    def describe(self) -> str:
+        """Sites, length limit and cache memory as text."""
+        checked = {c.site_name for c in self.mask_checks}
+        rows = [[s.site_name, s.where, s.spec.describe()
+                 + (" (mask checked causal at each length)" if s.site_name in checked else "")] for s in self.sites]
+        per = "unknown" if self.bytes_per_token is None else f"{self.bytes_per_token} B"
+        lines = [f"attnopt cached {self.name}: {len(self.sites)} attention site(s) cached, "
+                 f"max_len={self.max_len} ({self.max_len_source})",
+                 f"cache: {per} per position per sequence; allocated {self.cache_bytes} B"
+                 + (f" for batch {self.batch}, {self.length} position(s) used" if self.batch else ""),
+                 "", tabulate(rows, headers=["site", "where", "attention"])]
+        if self.watch is not None and self.watch.paths:
+            lines.append("buffers the causal proof read, checked before every call: "
+                         + ", ".join(f"`{p}`" for p in self.watch.paths))
+        if self.plan.shifted:
+            lines.append("positions shifted by the cache length: "
+                         + ", ".join(f"`{n.name}`" for n in self.plan.shifted))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"CachedLM({self.name}, sites={len(self.sites)}, max_len={self.max_len}, length={self.length})"
+
+
+def check_tokens(idx: Any, what: str) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int):
+        got = f"{tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"{what} must be token ids of shape (batch, length) and dtype torch.long, got {got}; "
+                         "add a batch dim with idx[None]")
+    if idx.size(1) < 1:
+        raise ValueError(f"{what} must hold at least one token per sequence")
+
+
+def watch_model(model: nn.Module, gm: fx.GraphModule, proofs: list[tuple[str, Any, Any, str]],
+           checks: list[MaskCheck]) -> Watch:
+    """_Pin the model's tensors that ``gm`` and the mask checks read, and the buffers the causal proofs read."""
+    pins: dict[str, _Pin] = {}
+
+    def pin(path: str, read: bool) -> _Pin | None:
+        if path not in pins:
+            where, _ = _resolve_path(model, path)
+            t = where[path.rsplit(".", 1)[-1]] if where is not None else None
+            if not isinstance(t, torch.Tensor):
+                return None  # not the model's (a constant export lifted): nothing outside can change it
+            pins[path] = _Pin(path, t, read)
+        pins[path].read |= read
+        return pins[path]
+
+    for module in (gm, *(c.module for c in checks)):
+        for node in module.graph.nodes:
+            if node.op == "get_attr":
+                pin(str(node.target), True)
+    for c in checks:
+        for node in c.module.graph.nodes:
+            p = pin(str(node.target), True) if node.op == "get_attr" else None
+            if p is not None and c not in p.checks:
+                p.checks.append(c)
+    for path, cuts, values, site in proofs:
+        p = pin(path, False)
+        if p is not None:
+            p.patterns.append((tuple(cuts), tuple(values), site))
+    return Watch(model, list(pins.values()))
