@@ -11,6 +11,8 @@ Importing attnopt touches no device and compiles nothing.
 
 from __future__ import annotations
 
+import logging
+
 from .api import explain, optimize, rewrite, tune
 from .config import OptimizeConfig
 from .env import __version__
@@ -22,6 +24,9 @@ from .pipeline.report import Report
 from .profiling.run import profile
 from .selection.selector import Selector
 from .spec import AttentionSpec, SiteRecord
+
+# Every module logs to ``attnopt.<module>``; nothing is printed unless the application configures logging.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "AttentionSpec",

@@ -19,9 +19,10 @@ from .pipeline.optimize import run_pipeline
 from .pipeline.report import Report
 from .pipeline.rewritten import RewrittenGraphModule, SignatureGuard, SignaturePattern, plain_copy
 from .pipeline.snapshot import model_kept
+from .pipeline.steps import new_selector
 from .selection.selector import Selector
 
-log = logging.getLogger("attnopt")
+log = logging.getLogger(__name__)
 
 _REPORT_ATTR = "_attnopt_report"
 _SELECTOR_ATTR = "_attnopt_selector"
@@ -65,7 +66,7 @@ def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, 
     if selector is not None and config.candidate != AUTO:
         log.warning("variant=%r: the selector passed to optimize() is not used", variant)
     if config.candidate == AUTO and selector is None:
-        selector = Selector(memory_budget=config.memory_budget)
+        selector = new_selector(config.memory_budget)
     report = Report()
     backend = functools.partial(attnopt_backend, config=config, report=report, selector=selector)
     opt = torch.compile(model, backend=backend, dynamic=dynamic)
@@ -173,7 +174,7 @@ def rewrite(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, *, 
         if len(example_inputs) != n:
             raise TypeError(f"the GraphModule takes {n} input(s), got {len(example_inputs)} example input(s)")
     config = OptimizeConfig(variant=_variant_from_env(variant), verify=verify)
-    selector = Selector(memory_budget=config.memory_budget) if config.candidate == AUTO else None
+    selector = new_selector(config.memory_budget) if config.candidate == AUTO else None
     original = plain_copy(gm)  # the graph as written, for other signatures (shares gm's parameters)
     pattern = SignaturePattern.before_proof(gm, example_inputs)
     new_gm, records = run_pipeline(gm, example_inputs, config, selector=selector)

@@ -290,7 +290,7 @@ def test_failing_candidate_falls_back_with_warning(monkeypatch):
 
 
 def test_pipeline_failure_runs_graph_as_written(monkeypatch):
-    import attnopt.pipeline.optimize as pipeline
+    import attnopt.pipeline.steps as pipeline
 
     def boom(*a, **k):
         raise RuntimeError("matcher exploded")

@@ -231,7 +231,7 @@ def test_a_proof_that_reads_a_concrete_size_of_a_symbolic_graph_is_kept_to_that_
     """A proof that specialises a symbol (a guard added to the shape environment) holds at that size only."""
     from torch.export import Dim
 
-    import attnopt.pipeline.optimize as pipeline
+    import attnopt.pipeline.steps as pipeline
 
     real = pipeline.find_sites
 

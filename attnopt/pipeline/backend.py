@@ -27,8 +27,9 @@ from ..runtime.site import GUARDED_ARGS_START, AttentionSite
 from ..selection.selector import Selector
 from .optimize import run_pipeline
 from .report import Report
+from .steps import new_selector
 
-log = logging.getLogger("attnopt")
+log = logging.getLogger(__name__)
 
 #: Report of the graphs compiled through ``backend="attnopt"`` by name (no ``optimize`` wrapper).
 _DEFAULT_REPORT = Report()
@@ -45,7 +46,7 @@ def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     """Dynamo backend: rewrite the attention in ``gm`` and return a callable that runs it."""
     config = config or OptimizeConfig(**options)
     if selector is None and config.candidate == AUTO:
-        selector = _default_selector(config)
+        selector = new_selector(config.memory_budget, shared=True)  # one per budget for the process
     report = _DEFAULT_REPORT if report is None else report
     graph_id = report.graphs
     report.graphs += 1
@@ -145,16 +146,6 @@ def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeC
         return original(*args)
 
     return run
-
-
-_SELECTORS: dict[Any, Selector] = {}
-
-
-def _default_selector(config: OptimizeConfig) -> Selector:
-    """One selector per memory budget for ``backend="attnopt"`` used by name."""
-    if config.memory_budget not in _SELECTORS:
-        _SELECTORS[config.memory_budget] = Selector(memory_budget=config.memory_budget)
-    return _SELECTORS[config.memory_budget]
 
 
 def _tune_before_tracing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:

@@ -9,10 +9,12 @@ for why the result computes the same function.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
+from ..env import AUTO
 from ..kernels.registry import get_candidate
-from ..passes.find_sites import Match, find_sites
+from ..passes.find_sites import Match
 from ..passes.kv_capture import (
     cache_bytes_per_token,
     capture_lm,
@@ -27,6 +29,7 @@ from ..runtime.cached_lm import CachedLM, watch_model
 from ..runtime.kv_cache import KVCacheAttention, MaskCheck
 from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
+from .steps import find_in, matches, new_selector
 
 
 def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False) -> CachedLM:
@@ -69,12 +72,33 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
                          "candidates eagerly, which a compiled graph cannot do")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
-    selector = Selector() if variant == "auto" else None
+    selector = new_selector() if variant == AUTO else None
     declared = config_max(model)
     example_len = 4 if declared is None else max(2, min(4, declared))
-    gm, tokens, ep = capture_lm(model, example_len)
-    graph = gm.graph
-    found = [f for f in find_sites(gm, {}) if isinstance(f, Match)]
+    gm, tokens, ep = capture_lm(model, example_len)       # 1. forward(idx) -> logits, dynamic batch and length
+    _, found = find_in(gm, None)                           # 2. the sites, as for optimize()
+    chosen, notes, checks = _cacheable(gm, matches(found), tokens, declared)  # 3. proven causal ones only
+    proofs = [(str(buf.target), cuts, values, m.record.name) for m in chosen
+              for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
+    if chosen:
+        rewrite_sites(gm, chosen, "sdpa", {})              # 4. each to a site module ...
+    offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector)  # 5. ... then to a KV-cache site
+    plan = analyse_positions(gm, tokens, site_nodes, notes)  # 6. the rest is position-wise (else PositionError)
+    offset_positions(gm, plan, offset)                     # 7. positions start at the offset
+    limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)  # 8. how long the caches are
+    for s in sites:
+        s.max_len = limit
+    lm = CachedLM(gm, sites, limit, source, cache_bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
+    lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
+    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 9. pin what the capture read
+    if compile:
+        lm.run = torch.compile(gm, dynamic=True)
+    return lm
+
+
+def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared: int | None
+               ) -> tuple[list[Match], dict[fx.Node, str], list[MaskCheck]]:
+    """The sites a cache may serve, a note per node of the others (for the position analysis), mask checks."""
     chosen, notes, checks = [], {}, []
     for m in found:
         why = not_cacheable(m.spec)
@@ -90,10 +114,13 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
             where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
             for n in m.internal:
                 notes[n] = f"it belongs to the attention {m.record.name} ({where}), which {why}"
-    proofs = [(str(buf.target), cuts, values, m.record.name) for m in chosen
-              for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
-    if chosen:
-        rewrite_sites(gm, chosen, "sdpa", {})
+    return chosen, notes, checks
+
+
+def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None
+              ) -> tuple[fx.Node, list[KVCacheAttention], list[fx.Node]]:
+    """Add the ``offset`` input and replace every site module by a KV-cache site called ``(q, k, v, scale, offset)``."""
+    graph = gm.graph
     with graph.inserting_after(tokens):
         offset = graph.placeholder("offset")
     sites, site_nodes = [], []
@@ -102,7 +129,7 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
             continue
         old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
         q, k, v, _mask, scale = node.args[:5]
-        site = KVCacheAttention(old.site_name, old.spec, 1, old.where, variant, selector)
+        site = KVCacheAttention(old.site_name, old.spec, 1, old.where, candidate=variant, selector=selector)
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)
         with graph.inserting_before(node):
@@ -114,16 +141,4 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         site_nodes.append(new)
     graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
-    plan = analyse_positions(gm, tokens, site_nodes, notes)  # no sites: position-wise, nothing to cache
-    offset_positions(gm, plan, offset)
-    limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)
-    for s in sites:
-        s.max_len = limit
-    lm = CachedLM(gm, sites, limit, source, cache_bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
-    lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
-    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)
-    if compile:
-        lm.run = torch.compile(gm, dynamic=True)
-    return lm
-
-
+    return offset, sites, site_nodes

@@ -1,34 +1,39 @@
-"""The pipeline: one captured FX graph in, the same graph with attention rewritten out.
+"""The optimize route: one captured FX graph in, the same graph with its attention rewritten out.
 
-Both routes use it: the dynamo backend (``optimize``, ``torch.compile(backend="attnopt")``)
-and ``rewrite(gm)`` for a GraphModule the user already has.
+Both capture routes use it: the dynamo backend (``optimize``, ``torch.compile(backend="attnopt")``)
+and ``rewrite(gm)`` for a GraphModule the user already has. Its steps, in order (each is a pass or
+a step of :mod:`attnopt.pipeline.steps`):
+
+1. copy the graph (the caller's is never edited);
+2. find sites: shapes, example values bound, canonicalise, match, prove (``passes/find_sites.py``);
+3. drop the weights of ``nn.MultiheadAttention`` modules whose every use was rewritten (``passes/mha.py``);
+4. choose the sites a candidate may serve;
+5. rewrite each chosen site to a site module (``passes/rewrite_sdpa.py``);
+6. attach the selector and records to the site modules;
+7. verify (``verify=True``): run both graphs on the example inputs and drop the rewrites that differ,
+   bisecting site by site with the same steps (``passes/verify.py``).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from ..config import OptimizeConfig
 from ..env import AUTO
-from ..kernels.registry import get_candidate
-from ..passes.canon import meta_value
-from ..passes.find_sites import Match, find_sites
+from ..passes.find_sites import Match
 from ..passes.mha import drop_unused_mha_weights
 from ..passes.rewrite_sdpa import rewrite_sites
-from ..passes.shapes import ensure_shapes
 from ..passes.verify import compare_outputs
-from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
 from ..spec import LEFT_ALONE, SiteRecord
+from .steps import attach, choose, copy_graph, find_in, matches, new_selector
 
-log = logging.getLogger("attnopt")
+log = logging.getLogger(__name__)
 
 
 def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: OptimizeConfig,
@@ -39,22 +44,20 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
     the same shapes share a tuning) for their candidate at run time.
     """
     if config.candidate == AUTO and selector is None:
-        selector = Selector(memory_budget=config.memory_budget)
-    work = copy_graph(gm)                                   # capture: the caller's graph is never edited
-    ensure_shapes(work, example_inputs)                # every node gets a (possibly symbolic) shape
-    concrete = _bind(work, example_inputs)             # real buffer values, for causal-mask proofs
-    found = find_sites(work, concrete)                 # canonicalise, match, prove: Match or near miss
+        selector = new_selector(config.memory_budget)
+    work = copy_graph(gm)                                # 1. the caller's graph is never edited
+    concrete, found = find_in(work, example_inputs)      # 2. a Match per proven site, a record per near miss
     records = [f.record if isinstance(f, Match) else f for f in found]
-    records += drop_unused_mha_weights(work, config.candidate is not None, len(records))  # MHA weights unread
+    records += drop_unused_mha_weights(work, config.candidate is not None, len(records))  # 3. MHA weights unread
     for r in records:
         r.graph_id = graph_id
-    chosen = _choose([f for f in found if isinstance(f, Match)], config, selector)  # legal candidates per site
+    chosen = choose(matches(found), config, selector)   # 4. legal candidates per site
     if chosen:
         candidate = config.candidate
         assert candidate is not None
-        rewrite_sites(work, chosen, candidate, concrete)  # replace each site with its site module
-        _attach(work, chosen, selector)                   # "auto": sites ask the selector per shape key
-        if config.verify and example_inputs is not None:  # drop rewrites whose outputs differ
+        rewrite_sites(work, chosen, candidate, concrete)  # 5. replace each site with its site module
+        attach(work, chosen, selector)                    # 6. "auto": sites ask the selector per shape key
+        if config.verify and example_inputs is not None:  # 7. drop rewrites whose outputs differ
             work = _verify(gm, work, example_inputs, chosen, config, graph_id, selector)
     for r in records:
         log.info("graph %d %s [%s %s] %s: %s", graph_id, r.name, r.module_path, r.source, r.decision,
@@ -62,75 +65,18 @@ def run_pipeline(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, confi
     return work, records
 
 
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-    new.meta = dict(getattr(gm, "meta", {}))
-    new.training = gm.training  # only the copy's own flag: its submodules are gm's, in their own modes
-    return new
-
-
-def _bind(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[fx.Node, torch.Tensor]:
-    if example_inputs is None:
-        return {}
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    out = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
-        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and not value.is_meta:
-            out[node] = value
-    return out
-
-
-def _attach(gm: fx.GraphModule, chosen: list[Match], selector: Selector | None) -> None:
-    records = {m.record.name: m.record for m in chosen}
-    for mod in gm.modules():
-        if isinstance(mod, AttentionSite):
-            mod.selector = selector
-            mod.record = records.get(mod.site_name)
-            if selector is not None:
-                selector.register(mod)
-
-
-def _device_of(m: Match) -> torch.device:
-    val = meta_value(m.q)
-    return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
-
-
-def _choose(matches: list[Match], config: OptimizeConfig, selector: Selector | None = None) -> list[Match]:
-    name = config.candidate
-    if name is None:
-        for m in matches:
-            m.record.decision = LEFT_ALONE
-            m.record.reason = f"variant='eager': left as written ({m.spec.describe()})"
-        return []
-    if name == AUTO:
-        assert selector is not None
-        chosen = []
-        for m in matches:
-            legal, refused = selector.legal(m.spec, _device_of(m))
-            faster = [c for c in legal if c != "math"]
-            if faster:
-                m.record.extra["candidates"] = legal
-                chosen.append(m)
-            else:
-                m.record.decision = LEFT_ALONE
-                m.record.reason = "no candidate faster than the original can serve this site: " + "; ".join(
-                    f"{c}: {why}" for c, why in refused.items())
-        return chosen
-    cand = get_candidate(name)
-    chosen = []
-    for m in matches:
-        why = cand.supports(m.spec)
-        device = _device_of(m)
-        if why is None and device is not None:
-            why = cand.available(device)  # e.g. flex on a CPU without a C++ compiler
-        if why is None:
-            chosen.append(m)
-        else:
-            m.record.decision = LEFT_ALONE
-            m.record.reason = f"{name} cannot serve this site: {why}"
-    return chosen
+def rewrite_subset(gm: fx.GraphModule, inputs: Sequence[Any] | None, config: OptimizeConfig,
+                   names: set[str], selector: Selector | None,
+                   report_to: list[Match] | None = None) -> fx.GraphModule:
+    """Steps 1-6 for the sites named ``names`` only (the verify bisection, ``rewrite()``'s re-proofs)."""
+    work = copy_graph(gm)
+    concrete, found = find_in(work, inputs)
+    chosen = [m for m in matches(found) if m.record.name in names]
+    drop_unused_mha_weights(work, config.candidate is not None)
+    if chosen:
+        rewrite_sites(work, chosen, config.candidate or "sdpa", concrete)
+        attach(work, report_to or chosen, selector)
+    return work
 
 
 def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequence[Any],
@@ -150,7 +96,7 @@ def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequenc
     # Find the sites to blame one at a time, keep the rest.
     keep = []
     for m in chosen:
-        trial = _rewrite_subset(original, inputs, config, {m.record.name}, selector)
+        trial = rewrite_subset(original, inputs, config, {m.record.name}, selector)
         if compare_outputs(original, trial, inputs):
             m.record.decision = LEFT_ALONE
             m.record.rewrite = ""
@@ -160,18 +106,4 @@ def _verify(original: fx.GraphModule, rewritten: fx.GraphModule, inputs: Sequenc
         else:
             m.record.extra["verified"] = True
             keep.append(m.record.name)
-    return _rewrite_subset(original, inputs, config, set(keep), selector, chosen)
-
-
-def _rewrite_subset(gm: fx.GraphModule, inputs: Sequence[Any], config: OptimizeConfig,
-                    names: set[str], selector: Selector | None,
-                    report_to: list[Match] | None = None) -> fx.GraphModule:
-    work = copy_graph(gm)
-    ensure_shapes(work, inputs)
-    concrete = _bind(work, inputs)
-    found = [f for f in find_sites(work, concrete) if isinstance(f, Match) and f.record.name in names]
-    drop_unused_mha_weights(work, config.candidate is not None)
-    if found:
-        rewrite_sites(work, found, config.candidate or "sdpa", concrete)
-        _attach(work, report_to or found, selector)
-    return work
+    return rewrite_subset(original, inputs, config, set(keep), selector, chosen)

@@ -22,8 +22,9 @@ from ..config import OptimizeConfig
 from ..passes.canon import meta_value
 from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
-from .optimize import copy_graph, run_pipeline
+from .optimize import run_pipeline
 from .report import Report
+from .steps import copy_graph
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 from torch.autograd import DeviceType
 
+from ..pipeline.steps import find_in, matches
 from ..selection.measure import time_alternating
 
 __all__ = ["Runner", "SiteCounter", "bracket_sites", "causal_entries", "is_oom", "make_runner", "matmul_rate",
@@ -335,16 +336,9 @@ def bracket_sites(model: torch.nn.Module) -> tuple[Callable[..., Any], SiteCount
 
 
 def _insert_ranges(gm: fx.GraphModule, example_inputs: list[Any], counter: SiteCounter, graph_id: int) -> None:
-    from ..passes.find_sites import Match, find_sites
-    from ..passes.shapes import ensure_shapes
-
-    ensure_shapes(gm, example_inputs)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    concrete = {n: v for n, v in zip(placeholders, example_inputs) if isinstance(v, torch.Tensor)}
+    _, found = find_in(gm, example_inputs)  # the optimize route's step: the same sites, named the same
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for m in find_sites(gm, concrete):
-        if not isinstance(m, Match):
-            continue
+    for m in matches(found):
         name = m.record.name  # attnopt names sites the same way in every capture of a model
         counter.where[name] = " ".join(x for x in (m.record.module_path, f"({m.record.source})"
                                                    if m.record.source else "") if x)

@@ -63,7 +63,7 @@ from ..spec import AttentionSpec
 from .cache import TuningCache, TuningEntry
 from .distributed import agree
 
-log = logging.getLogger("attnopt")
+log = logging.getLogger(__name__)
 
 #: ``timer(candidate_name, run) -> seconds`` for one call of ``run``.
 Timer = Callable[[str, Callable[[], Any]], float]
