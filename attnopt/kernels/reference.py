@@ -58,6 +58,10 @@ register_candidate(FunctionCandidate("math", reference_attention, lambda spec: N
                                      "softmax(scale * q @ k^T + mask) @ v written out", windowed=True))
 
 
+#: ``(atol, rtol)`` per output dtype. fp32 allows for a fused kernel's other summation order over long key
+#: axes; bf16 and fp16 for the reference softmax itself rounding to the dtype. The sites' per-shape checks
+#: hold half types to a stricter rule besides (no less accurate than the computation as written against
+#: float64); see :mod:`attnopt.runtime.dispatch`.
 TOLERANCES = {
     torch.float64: (1e-7, 1e-7),
     torch.float32: (1e-4, 1e-4),

@@ -2,14 +2,14 @@
 
 Matches nothing; runs both GraphModules on the same example inputs (no autograd, same RNG
 state) and compares every tensor output. Emits a list of problems, empty when they agree.
-Tolerances are those ``torch.testing.assert_close`` uses per dtype, loosened for reduced
-precision where the reference softmax itself rounds to the dtype (bf16: 2e-2, fp16: 5e-3).
-NaNs must sit at the same places.
+The tolerance is the exactness contract's, :func:`attnopt.kernels.reference.tolerance` (``atol = rtol``:
+fp64 1e-7, fp32 1e-4, bf16 2e-2, fp16 5e-3; other dtypes 1e-4). NaNs must sit at the same places;
+integer and bool outputs must be equal.
 
 Example::
 
     problems = compare_outputs(original, rewritten, example_inputs)
-    # [] or ['output 0: max abs difference 3.1e-01 exceeds tolerance (atol 1e-05, rtol 1.3e-06)']
+    # [] or ['output 0: max abs difference 0.31 exceeds tolerance (atol 0.0001, rtol 0.0001) or NaNs moved']
 """
 
 from __future__ import annotations
