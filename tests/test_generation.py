@@ -101,9 +101,9 @@ def test_auto_variant_tunes_prefill_and_decode_shapes_and_keeps_the_tokens():
     idx = torch.randint(0, VOCAB, (2, 5))
     c = cached(model, variant="auto")
     assert torch.equal(generate(c, idx, 6), generate_plain(model, idx, 6))
-    keys = [k for s in c.sites for k in s.chooser.tuning]
+    keys = [k for s in c.sites for k in s.tuning]
     assert {k.tq for k in keys} == {8, 1}  # the prefill (5 -> bucket 8) and the one-token steps
-    assert all(e.choice in e.timings_ms for s in c.sites for e in s.chooser.tuning.values())
+    assert all(e.choice in e.timings_ms for s in c.sites for e in s.tuning.values())
     m = cached(model, variant="math")
     assert torch.equal(generate(m, idx, 6), generate_plain(model, idx, 6))
     with pytest.raises(ValueError, match="unknown candidate 'fastest'"):

@@ -1,5 +1,6 @@
 """What a rewritten graph calls at run time: site modules, their guards and dispatch, the KV-cache site.
 
-``site`` (the per-call dispatch every site kind shares), ``guards``, ``autograd`` (backward
-fallbacks), ``kv_cache`` and ``cached_lm`` (generation).
+``dispatch`` (the per-call dispatch every site kind shares: choice, reference check, fallbacks),
+``site`` (the rewritten site), ``guards``, ``autograd`` (backward fallbacks), ``kv_cache`` and
+``cached_lm`` (generation).
 """

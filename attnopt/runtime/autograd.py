@@ -3,7 +3,8 @@
 :class:`_Recomputable` runs a candidate with its own backward unless autograd asks for a graph of
 the backward (``create_graph=True``), where it recomputes the reference differentiably;
 :class:`_TwiceDifferentiable` does the same for the SDPA family, whose outputs it clones.
-:func:`recomputable` picks between them for a site.
+:func:`recomputable` picks between them for a site; the per-call dispatch
+(:mod:`attnopt.runtime.dispatch`) calls it when gradients are needed.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ _NATIVE_BACKWARD = frozenset(("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudn
 
 def recomputable(site: Any, fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kwargs: dict) -> torch.Tensor:
+    """``fn(q, k, v, **kwargs)`` with a backward that works for double backward and where ``fn``'s own raises.
+
+    ``site`` (any object with ``site_name`` and ``where``) names the site in the warning of a failed backward.
+    """
     if torch._C._are_functorch_transforms_active():
         return fn(q, k, v, **kwargs)  # functorch transforms differentiate the candidate's own graph
     rest = {n: a for n, a in kwargs.items() if n != "attn_mask"}

@@ -1,7 +1,8 @@
 """The KV-cache site: causal self-attention over a preallocated cache, and the run-time mask check.
 
 :class:`KVCacheAttention` writes the new keys and values at ``offset`` and attends over the cache
-through the same per-call dispatch as every site (:class:`~attnopt.runtime.site.AttentionSite`).
+through the per-call dispatch every site kind shares (:class:`~attnopt.runtime.dispatch.DispatchingSite`):
+the candidate chosen (and for ``"auto"`` tuned) per shape key, checked against the reference, with fallbacks.
 :class:`MaskCheck` evaluates a mask built from sizes alone at each new ``(batch, length)``.
 """
 
@@ -11,37 +12,31 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from ..spec import AttentionSpec
-from .site import AttentionSite, candidate_layout
+from .dispatch import DispatchingSite, candidate_layout
 
 aten = torch.ops.aten
 
 
-class KVCacheAttention(nn.Module):
+class KVCacheAttention(DispatchingSite):
     """One causal self-attention site with its K/V cache: ``(q, k, v, scale, offset) -> out``.
 
     q: ``(..., t, D)`` for the ``t`` new positions ``offset .. offset + t - 1``; k, v: their keys and
     values (``(..., Hkv, t, D)``, unrepeated for GQA). The cache is allocated on the first call at
-    offset 0 with ``max_len`` positions.
+    offset 0 with ``max_len`` positions. ``candidate`` and ``selector`` are the dispatch's
+    (:class:`~attnopt.runtime.dispatch.DispatchingSite`): a candidate's name, or ``"auto"`` with a selector.
     """
 
     def __init__(self, name: str, spec: AttentionSpec, max_len: int, where: str = "", candidate: str = "sdpa",
                  selector: Any = None):
-        super().__init__()
-        self.site_name = name
-        self.spec = spec
+        super().__init__(name, spec, candidate, where=where, selector=selector)
         self.max_len = max_len
-        self.where = where
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # The candidate choice (and, for "auto", the selector's per-shape tuning) is AttentionSite's.
-        self.chooser = AttentionSite(name, spec, candidate, where=where)
-        self.chooser.selector = selector
 
     def extra_repr(self) -> str:
-        return f"{self.site_name}: max_len={self.max_len}, {self.chooser.candidate}, {self.spec.describe()}"
+        return f"{self.site_name}: max_len={self.max_len}, {self.candidate}, {self.spec.describe()}"
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = None
@@ -68,7 +63,7 @@ class KVCacheAttention(nn.Module):
         kwargs = dict(attn_mask=mask, dropout_p=0.0, is_causal=t > 1 and t == end,
                       scale=self.spec.scale if scale is None else float(scale), enable_gqa=self.spec.gqa)
         with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            out = self.chooser._call(q, keys, values, kwargs)  # chosen, checked per shape key, with fallbacks
+            out = self.run_candidate(q, keys, values, kwargs)  # chosen, checked per shape key, with fallbacks
         if lead:
             out = out.reshape(out.shape[lead:])
         if self.spec.out_dtype is not None and out.dtype != self.spec.out_dtype:

@@ -1,0 +1,301 @@
+"""The per-call dispatch every site kind shares: which candidate runs a call, checked against the reference.
+
+:class:`DispatchingSite` is the base of :class:`~attnopt.runtime.site.AttentionSite` (a rewritten
+site) and :class:`~attnopt.runtime.kv_cache.KVCacheAttention` (a site with its K/V cache). A site
+brings its call to the candidates' layout (:func:`candidate_layout`) and its keyword arguments
+(``attn_mask``, ``is_causal``, ``scale``, ``dropout_p``, ``enable_gqa``, ...), then calls
+:meth:`DispatchingSite.run_candidate`, which, per call, in order:
+
+1. **chooses** the candidate: the fixed one, or for ``candidate="auto"`` the selector's choice for
+   the call's shape key (tuned on the first call in each bucket, then one dictionary lookup in a
+   table keyed by the exact call; a tuning that raises runs ``sdpa`` or ``math`` for that call, with a
+   warning). The timings that chose it are kept in ``site.tuning`` and in the site's record for
+   ``explain()``. While traced (``compile=True``) the choice of the site's most recent eager call;
+2. runs ``math`` instead of a candidate that has raised at this site before;
+3. inside a compiled graph, runs what the checked eager call of that candidate ran, and stops here;
+4. runs ``math`` for calls with active dropout and gradients (its dropout mask lives in its own
+   autograd graph, so any backward, double too, is exact);
+5. **checks** the candidate against the reference computation on the call's own inputs the first
+   time it serves a shape key (outputs, and gradients when the call needs them; "no less accurate
+   than the computation as written against float64" for half types): a candidate that fails is
+   dropped for that key, with a warning naming it and an entry in the record, and ``sdpa`` (checked
+   the same way) or ``math`` serves the key instead;
+6. **runs** it: when gradients are needed, inside :func:`~attnopt.runtime.autograd.recomputable`
+   (its backward is the candidate's own unless autograd asks for a graph of the backward, where the
+   reference is recomputed differentiably) unless the candidate is differentiable twice itself;
+   a candidate that raises is replaced by ``math`` for this call and every later one, with a warning.
+
+>>> import torch
+>>> from attnopt.spec import AttentionSpec
+>>> site = DispatchingSite("s", AttentionSpec(scale=0.5, causal="top_left"), "sdpa")
+>>> q = torch.randn(1, 2, 4, 8)
+>>> kw = dict(attn_mask=None, is_causal=True, scale=0.5, dropout_p=0.0, enable_gqa=False)
+>>> out = site.run_candidate(q, q, q, kw)  # the first call of this shape key: sdpa is checked, then run
+>>> from attnopt.kernels.reference import reference_attention
+>>> torch.allclose(out, reference_attention(q, q, q, **kw))
+True
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..env import AUTO
+from ..kernels.reference import reference_attention, tolerance
+from ..kernels.registry import get_candidate
+from ..selection.selector import Call, shape_key
+from ..spec import AttentionSpec
+from .autograd import recomputable
+from .guards import is_tracing
+
+log = logging.getLogger(__name__)
+
+#: Candidates whose autograd graph is plain PyTorch, differentiable any number of times.
+_TWICE_DIFFERENTIABLE = frozenset(("math", "sdpa_math"))
+
+#: Entries a per-call table keeps before it starts again (e.g. one entry per decode length).
+_TABLE_LIMIT = 4096
+
+
+def candidate_layout(q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, k, v as candidates take them (4-D, v in q's dtype) and how many leading dims were added."""
+    lead = 4 - q.dim()
+    if lead:
+        q, k, v = (t.reshape((1,) * lead + t.shape) for t in (q, k, v))
+    if v.dtype != q.dtype:
+        v = v.to(q.dtype)
+    return q, k, v, lead
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Gradients are being recorded and one of ``tensors`` requires them."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class DispatchingSite(nn.Module):
+    """A site that runs each call with its candidate, chosen and checked per shape key (see the module docstring).
+
+    Args:
+        name: the site's name (``attnopt_siteN``'s record name), used in warnings, logs and profiles.
+        spec: what the site computes; the candidates and the reference are checked against it.
+        candidate: a registered candidate's name, or ``"auto"`` (the ``selector`` chooses per shape key).
+        where: the site's module path and source line, for messages.
+        selector: the :class:`~attnopt.selection.selector.Selector` for ``"auto"``; the site registers with
+            it (so :meth:`Selector.share` can make it choose again). It may also be set later, as
+            ``optimize`` does (then whoever sets it registers the site).
+    """
+
+    def __init__(self, name: str, spec: AttentionSpec, candidate: str = "sdpa", *, where: str = "",
+                 selector: Any = None):
+        super().__init__()
+        self.site_name = name
+        self.spec = spec
+        self.candidate = candidate
+        self.where = where
+        self.selector: Any = selector  # a Selector, for candidate="auto"
+        self.record: Any = None  # the SiteRecord that explain() shows
+        self.tuning: dict[Any, Any] = {}  # ShapeKey -> TuningEntry
+        self.tuning_run = False  # the backend's eager run before Inductor traces (is_compiling() is True there)
+        self._failed: set[str] = set()  # candidates that raised here; this site runs math instead of them
+        self._by_call: dict[tuple, str] = {}  # exact call signature -> choice (the per-call fast path)
+        self._last: str | None = None
+        self._checked: dict[tuple, str] = {}  # (candidate, ShapeKey) -> what runs: it, or its replacement
+        self._served: dict[tuple, str] = {}  # exact call signature -> what runs (the per-call fast path)
+        self._ran: dict[str, str] = {}  # candidate -> what its last checked eager call ran (used while tracing)
+        if candidate != AUTO:
+            get_candidate(candidate)  # fail early on a bad name
+        if selector is not None:
+            selector.register(self)
+
+    def forget_choices(self) -> None:
+        """Ask the selector again on the next call (after it adopted another rank's choices)."""
+        self.tuning.clear()
+        self._by_call.clear()
+        if self.record is not None:
+            self.record.extra.pop("tuning", None)
+
+    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The call's output from its candidate, chosen, checked and with fallbacks (steps 1-6 above).
+
+        q, k, v: 4-D, as :func:`candidate_layout` gives them; ``kwargs``: the candidates' keyword arguments,
+        at least ``attn_mask``, ``is_causal``, ``scale``, ``dropout_p`` and ``enable_gqa``.
+        """
+        name = self._choice(q, k, v, kwargs)
+        if name in self._failed:
+            name = "math"
+        if is_tracing(q) and not self.tuning_run:
+            # inside a compiled graph: what the checked eager run of this candidate ran
+            return get_candidate(self._ran.get(name, name))(q, k, v, **kwargs)
+        grad = needs_grad(q, k, v, kwargs["attn_mask"])
+        if grad and kwargs["dropout_p"] > 0 and name not in _TWICE_DIFFERENTIABLE:
+            name = "math"  # its dropout mask is part of its own graph, so any backward (double too) is exact
+        name = self._served_by(name, q, k, v, kwargs, grad)
+        fn = get_candidate(name)
+        try:
+            if grad and name not in _TWICE_DIFFERENTIABLE:
+                return recomputable(self, fn, q, k, v, kwargs)
+            return fn(q, k, v, **kwargs)
+        except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
+            warnings.warn(f"attnopt: candidate {name!r} failed at {self.site_name} ({self.where}): "
+                          f"{type(e).__name__}: {e}; running the reference computation instead", stacklevel=3)
+            log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
+            self._failed.add(name)
+            return get_candidate("math")(q, k, v, **kwargs)
+
+    # ------------------------------------------------------------------ 1. the choice
+
+    def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> str:
+        if self.candidate != AUTO:
+            return self.candidate
+        if self.selector is None or (is_tracing(q) and not self.tuning_run):
+            return self._last or "math"
+        mask = kwargs["attn_mask"]
+        grad = needs_grad(q, k, v, mask)
+        fast = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else mask.dtype,
+                kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
+        choice = self._by_call.get(fast)
+        if choice is None:
+            key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                            dropout=kwargs["dropout_p"] > 0, grad=grad)
+            entry = self.tuning.get(key)
+            if entry is None:
+                try:
+                    entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+                except Exception as e:  # noqa: BLE001 - tuning is an optimisation; never break the forward
+                    fallback = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
+                    warnings.warn(f"attnopt: could not tune {self.site_name} ({self.where}) for {key.describe()}: "
+                                  f"{type(e).__name__}: {e}; running {fallback} for this call", stacklevel=4)
+                    return fallback
+                self.tuning[key] = entry
+                if self.record is not None:
+                    self.record.extra.setdefault("tuning", {})[key.describe()] = entry
+            if len(self._by_call) > _TABLE_LIMIT:
+                self._by_call.clear()
+            choice = self._by_call[fast] = entry.choice
+        self._last = choice
+        return choice
+
+    # ------------------------------------------------------------------ 5. the per-key reference check
+
+    def _served_by(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+                   grad: bool) -> str:
+        """``name``, or what replaces it, once it matched the reference for this call's shape key."""
+        if name == "math":
+            return name
+        mask = kwargs["attn_mask"]
+        fast = (name, q.shape, k.shape, v.shape, q.dtype, q.device,
+                None if mask is None else (mask.dtype, mask.shape), kwargs["is_causal"], grad)
+        served = self._served.get(fast)
+        if served is None:
+            key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                                   dropout=kwargs["dropout_p"] > 0, grad=grad))
+            served = self._checked.get(key)
+            if served is None:
+                served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
+            if len(self._served) > _TABLE_LIMIT:
+                self._served.clear()
+            self._served[fast] = served
+        self._ran[name] = served
+        return served
+
+    def _check(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+               grad: bool, key: Any) -> str:
+        try:
+            problem = _compare_with_reference(get_candidate(name), self.spec, q, k, v, kwargs, grad)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run here is not run
+            problem = f"it raised {type(e).__name__}: {e}"
+        if problem is None:
+            return name
+        fallback = "sdpa" if name != "sdpa" and get_candidate("sdpa").supports(self.spec) is None else "math"
+        warnings.warn(f"attnopt: candidate {name!r} does not match the reference computation at {self.site_name} "
+                      f"({self.where}) for {key.describe()}: {problem}; dropped for these shapes, running "
+                      f"{fallback} instead", stacklevel=5)
+        log.warning("site %s: candidate %s rejected for %s: %s", self.site_name, name, key.describe(), problem)
+        if self.record is not None:
+            self.record.extra.setdefault("rejected", {})[f"{name} ({key.describe()})"] = problem
+        if fallback == "math":
+            return "math"
+        return self._check(fallback, q, k, v, kwargs, grad, key)
+
+
+def _compare_with_reference(fn: Any, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            kwargs: dict, grad: bool) -> str | None:
+    """Why ``fn`` does not compute the reference on these inputs (outputs, and gradients with ``grad``), or None.
+
+    Dropout is off for the check (its draws are random by design). Rows the site overrides (every
+    key masked: NaN rows, mean-of-v rows) and rows that are not finite as written are not compared.
+    The contract is the dtype's tolerance against the reference in the inputs' dtype, or, failing
+    that, an error against a float64 evaluation no larger than the reference's own (plus the
+    dtype's tolerance): never less accurate than the computation as written.
+    """
+    kwargs = dict(kwargs, dropout_p=0.0)
+    mask = kwargs.get("attn_mask")
+    skip = None
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point() and spec.min_rows == "mean":
+        skip = mask.amax(-1, keepdim=True) <= torch.finfo(mask.dtype).min / 2
+    gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's random stream
+
+    def run(f: Any, dtype: torch.dtype | None) -> list[torch.Tensor | None]:
+        def prep(t: torch.Tensor | None, diff: bool) -> torch.Tensor | None:
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            return t.requires_grad_(diff and grad and t.is_floating_point())
+
+        qq, kk, vv = (prep(t, True) for t in (q, k, v))
+        mm = prep(mask, mask is not None and mask.requires_grad)
+        kw = dict(kwargs, attn_mask=mm)
+        with torch.enable_grad() if grad else torch.no_grad():
+            out = f(qq, kk, vv, **kw)
+            if not grad:
+                return [out.detach()]
+            targets = [t for t in (qq, kk, vv, mm) if isinstance(t, torch.Tensor) and t.requires_grad]
+            g = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, out.dtype)
+            gen.manual_seed(0)
+            if skip is not None:
+                g = g.masked_fill(skip, 0.0)
+            grads = torch.autograd.grad(out, targets, g, allow_unused=True)
+        return [out.detach(), *grads]
+
+    got = run(fn, None)
+    ref = run(reference_attention, None)
+    atol, rtol = tolerance(q.dtype)
+    labels = ["output", "gradient of q", "gradient of k", "gradient of v", "gradient of the mask"]
+    ref64: list[torch.Tensor | None] | None = None
+    for i, (label, a, e) in enumerate(zip(labels, got, ref)):
+        if e is None or a is None:
+            if (a is None) != (e is None) and bool((a if e is None else e).abs().sum() > 0):  # type: ignore
+                return f"the {label} is missing"
+            continue
+        if a.shape != e.shape:
+            return f"the {label} has shape {tuple(a.shape)}, the reference {tuple(e.shape)}"
+        keep = torch.isfinite(e)
+        if i == 0 and skip is not None:
+            keep = keep & ~skip.expand_as(e)
+        af, ef = a.double()[keep], e.double()[keep]
+        if not bool(torch.isfinite(af).all()):
+            return f"the {label} is not finite where the reference is"
+        diff = (af - ef).abs()
+        if bool((diff <= atol + rtol * ef.abs()).all()):
+            continue
+        if q.dtype != torch.float64:  # no less accurate than as written, against float64
+            if ref64 is None:
+                ref64 = run(reference_attention, torch.float64)
+            e64 = ref64[i]
+            if e64 is not None:
+                x = e64[keep]
+                if (af - x).abs().max() <= (ef - x).abs().max() + atol:
+                    continue
+        return f"the {label} differs from the reference by up to {diff.max().item():.3g}"
+    return None
+
+
+__all__ = ["DispatchingSite", "candidate_layout", "needs_grad"]
