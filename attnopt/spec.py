@@ -70,7 +70,7 @@ class AttentionSpec:
         fill_value: a finite fill such as ``masked_fill(m, -1e4)``: the mask reaches the candidate
             as the dtype's minimum, which equals the fill as written only when every kept score
             provably dwarfs it; the site checks that bound on every call and otherwise computes
-            the fill as written (see ``passes/rewrite_sdpa.BoundedFillSite``).
+            the fill as written (see ``runtime/site.BoundedFillSite``).
         window: with ``causal``, a sliding window: each query keeps only the ``window`` most recent
             keys (``0 <= q_idx - kv_idx < window`` in the causal alignment). Candidates that know
             windows (FlexAttention as a ``block_mask``, the tiled kernel) skip the rest; others get

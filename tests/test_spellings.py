@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from support import capture
 
 import attnopt
-from attnopt.passes.rewrite_sdpa import BoundedFillSite, fill_is_negligible
+from attnopt.runtime.site import BoundedFillSite, fill_is_negligible
 
 B, H, T, D = 2, 4, 6, 8
 C = H * D

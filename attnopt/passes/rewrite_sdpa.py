@@ -16,16 +16,14 @@ shows the call and ``print(gm)`` shows its spec. Ends with ``graph.lint()`` and 
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from ..kernels.reference import reference_attention
-from ..runtime.guards import BufferGuard, ConditionGuard, is_tracing
-from ..runtime.site import AttentionSite
+from ..runtime.guards import BufferGuard, ConditionGuard
+from ..runtime.site import AttentionSite, BoundedFillSite
 from ..spec import REWRITTEN
 from .canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value
 from .find_sites import Match, reads_only_dtype
@@ -261,47 +259,7 @@ def _erase_unused(gm: fx.GraphModule, nodes: list[fx.Node], site_nodes: set[fx.N
         pending.extend(inputs)
 
 
-class BoundedFillSite(AttentionSite):
-    """A site whose mask fills a finite value ``f`` (``masked_fill(m, -1e4)``), exact on every call.
-
-    The candidate receives the dtype's minimum at the masked positions. That equals the fill as
-    written (within any dtype's tolerance) when every kept score ``s`` has ``Tk * exp(f - s) <
-    2**-60``; by Cauchy-Schwarz ``|s| <= |scale| * max|q_i| * max|k_j|``, so the site checks
-    ``f + |scale| * max|q_i| * max|k_j| + log(Tk) <= -42`` on each call (a norm of q and of k,
-    no score matrix) and otherwise computes the fill as written. Rows with every key masked are
-    the mean of v either way (``AttentionSpec.min_rows == "mean"``).
-    """
-
-    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        fill = self.spec.fill_value
-        assert fill is not None
-        if not is_tracing(q) and fill_is_negligible(q, k, kwargs["scale"], fill):
-            return super()._call(q, k, v, kwargs)
-        return _filled_as_written(q, k, v, fill, **kwargs)
 
 
-def fill_is_negligible(q: torch.Tensor, k: torch.Tensor, scale: float, fill: float) -> bool:
-    """True when masked keys filled with ``fill`` carry less than ``2**-60`` of any row's weight."""
-    with torch.no_grad():
-        qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax().item()
-        kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax().item()
-    bound = abs(scale) * qn * kn * 1.01 + 1.0  # 1% and 1.0 of slack for the scores' rounding
-    return fill + bound + math.log(max(k.size(-2), 1)) <= -42.0
 
 
-def _filled_as_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fill: float, *,
-                       attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
-                       enable_gqa: bool, **_: object) -> torch.Tensor:
-    """``softmax(scale * q @ k^T masked_fill(fill)) @ v``; masked where ``attn_mask`` holds the dtype's
-    minimum, or above the diagonal for a proven top-left causal mask (``is_causal``)."""
-    if is_causal:
-        masked = ~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    else:
-        assert attn_mask is not None
-        masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
-
-    def mod(score, b, h, qi, ki):
-        return score.masked_fill(masked, fill)
-
-    return reference_attention(q, k, v, attn_mask=None, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
-                               score_mod=mod)

@@ -23,9 +23,15 @@ run-time numbers). The module
   the choice (fixed, or the selector's per shape key for ``candidate="auto"``), the check against
   the reference computation per shape key, the autograd wrapper for gradients, and the fallback
   to ``math`` when a candidate raises.
+
+:class:`BoundedFillSite` is the site of a mask that fills a finite value (``masked_fill(m, -1e4)``):
+it hands the candidate the dtype's minimum only on calls where the fill provably carries no weight
+(:func:`fill_is_negligible`) and computes the fill as written otherwise.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,10 +62,6 @@ class AttentionSite(DispatchingSite):
         #: the additive mask holds ``masked_fill`` values: as written those replace the score, so the
         #: score gets no gradient there (``_as_written`` reproduces that on rows it computes itself)
         self.cut_fills = cut_fills
-
-    #: What ``forward`` calls for the candidate's output: the shared dispatch itself (an alias, no extra
-    #: call per forward); ``passes.rewrite_sdpa.BoundedFillSite`` overrides it to check its fill first.
-    _call = DispatchingSite.run_candidate
 
     def extra_repr(self) -> str:
         return f"{self.site_name}: {self.candidate}, {self.spec.describe()}"
@@ -113,7 +115,7 @@ class AttentionSite(DispatchingSite):
             if as_written:
                 out = self._as_written(q, k, v, kwargs, filled)
             else:
-                out = self._call(q, k, v, kwargs)
+                out = self.run_candidate(q, k, v, kwargs)
         if spec.min_rows == "mean" and min_rows is not None and not as_written:
             v_mean = v.mean(-2, keepdim=True)  # (B, Hkv, 1, Dv)
             if v_mean.size(-3) != out.size(-3):
@@ -167,3 +169,49 @@ class AttentionSite(DispatchingSite):
             # checked there, so a compiled graph passes the mask tensor
             return not any(isinstance(g, ConditionGuard) for g in self.guards)
         return all(g.holds(t) for g, t in zip(self.guards, guarded))
+
+
+class BoundedFillSite(AttentionSite):
+    """A site whose mask fills a finite value ``f`` (``masked_fill(m, -1e4)``), exact on every call.
+
+    The candidate receives the dtype's minimum at the masked positions. That equals the fill as
+    written (within any dtype's tolerance) when every kept score ``s`` has ``Tk * exp(f - s) <
+    2**-60``; by Cauchy-Schwarz ``|s| <= |scale| * max|q_i| * max|k_j|``, so the site checks
+    ``f + |scale| * max|q_i| * max|k_j| + log(Tk) <= -42`` on each call (a norm of q and of k,
+    no score matrix) and otherwise computes the fill as written. Rows with every key masked are
+    the mean of v either way (``AttentionSpec.min_rows == "mean"``).
+    """
+
+    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        fill = self.spec.fill_value
+        assert fill is not None
+        if not is_tracing(q) and fill_is_negligible(q, k, kwargs["scale"], fill):
+            return super().run_candidate(q, k, v, kwargs)
+        return _filled_as_written(q, k, v, fill, **kwargs)
+
+
+def fill_is_negligible(q: torch.Tensor, k: torch.Tensor, scale: float, fill: float) -> bool:
+    """True when masked keys filled with ``fill`` carry less than ``2**-60`` of any row's weight."""
+    with torch.no_grad():
+        qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax().item()
+        kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax().item()
+    bound = abs(scale) * qn * kn * 1.01 + 1.0  # 1% and 1.0 of slack for the scores' rounding
+    return fill + bound + math.log(max(k.size(-2), 1)) <= -42.0
+
+
+def _filled_as_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fill: float, *,
+                       attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float,
+                       enable_gqa: bool, **_: object) -> torch.Tensor:
+    """``softmax(scale * q @ k^T masked_fill(fill)) @ v``; masked where ``attn_mask`` holds the dtype's
+    minimum, or above the diagonal for a proven top-left causal mask (``is_causal``)."""
+    if is_causal:
+        masked = ~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    else:
+        assert attn_mask is not None
+        masked = attn_mask <= torch.finfo(attn_mask.dtype).min / 2
+
+    def mod(score, b, h, qi, ki):
+        return score.masked_fill(masked, fill)
+
+    return reference_attention(q, k, v, attn_mask=None, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+                               score_mod=mod)
