@@ -37,7 +37,7 @@ ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 #: A causal sliding window reaches candidates as ``window=w`` next to ``is_causal=True``: query
 #: ``i`` keeps keys ``i - w < j <= i`` (top-left). Only sites with ``spec.window`` pass it. Candidates
 #: registered with ``windowed=True`` skip the hidden blocks; the others receive the band as a
-#: boolean ``attn_mask`` (:func:`window_keep`) and ``is_causal=False``, so SDPA serves it exactly.
+#: boolean ``attn_mask`` (``bands.window_keep``) and ``is_causal=False``, so SDPA serves it exactly.
 
 
 class Candidate(Protocol):

@@ -51,7 +51,7 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
 
     Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
     ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not. ``prefill``
-    and ``step`` raise :class:`ModelChangedError` once a tensor of ``model`` the cached graph reads was
+    and ``step`` raise ``ModelChangedError`` once a tensor of ``model`` the cached graph reads was
     replaced by another object or converted to another dtype or device, a buffer a causal proof read lost
     the proven pattern, or a plain attribute of a submodule (or its ``training`` flag, its children, its
     forward hooks) differs from the capture. Weights written in place are followed: before a ``prefill``

@@ -36,7 +36,7 @@ _SHAPE_META = ("val", "example_value", "tensor_meta")
 
 
 class RewrittenGraphModule(fx.GraphModule):
-    """What :func:`rewrite` returns: the rewritten graph, run for the input signature it was proven on.
+    """What :func:`~attnopt.api.rewrite` returns: the rewritten graph, run for the input signature it was proven on.
 
     It is a ``GraphModule`` (``.graph``, ``.code``, its ``attnopt_site*`` submodules, parameters
     shared with the input graph module). Called with inputs of another signature (shapes, dtypes,

@@ -26,7 +26,7 @@ from .kv_cache import KVCacheAttention, MaskCheck
 
 
 class ModelChangedError(RuntimeError):
-    """The model changed after :func:`cached` in a way the cached model does not follow.
+    """The model changed after :func:`~attnopt.pipeline.kv.cached` in a way the cached model does not follow.
 
     A tensor the cached graph computes with was replaced by another object (assigned, deleted and
     registered again, ``load_state_dict(..., assign=True)``) or converted to another dtype or device
@@ -244,7 +244,7 @@ class Watch:
     buffer replaced by another one is not what the graph computes with, so the call raises
     :class:`ModelChangedError`. In-place writes reach the graph (it shares the tensors), so weight updates
     need nothing; but a buffer whose *values* a causal proof read (its band pattern) is also pinned to its
-    version counter and storage: when either moved, the pattern is checked again (:func:`runtime.is_band`)
+    version counter and storage: when either moved, the pattern is checked again (``kernels.bands.is_band``)
     and the call raises if it no longer holds. A proof-only buffer (the rewritten graph no longer reads it)
     may be replaced by another tensor holding the same pattern. Mask checks read again after their
     tensors changed. A tensor the graph reads converted to another dtype or device (the same object with
@@ -332,7 +332,7 @@ class Watch:
 class CachedLM:
     """A causal LM that runs new tokens only, attending to cached keys and values.
 
-    Built by :func:`cached`. ``prefill(idx)`` starts a batch of sequences; ``step(tokens)`` appends
+    Built by :func:`~attnopt.pipeline.kv.cached`. ``prefill(idx)`` starts a batch of sequences; ``step(tokens)`` appends
     tokens to all of them. ``length`` is the number of positions cached so far. The token ids of the
     sequences are kept (``batch * max_len`` ids), so that a ``step`` after the model's weights were written
     in place can recompute the whole sequence with the new weights (see :meth:`step`).

@@ -29,7 +29,7 @@ def is_tracing(t: torch.Tensor) -> bool:
 class BufferGuard:
     """Checks that a tensor a causal proof read still holds the proven band pattern.
 
-    The pattern is the tensor's own ``(cuts, values)`` (see :func:`band_pattern`): lower-triangular
+    The pattern is the tensor's own ``(cuts, values)`` (``kernels.bands.band_pattern``): lower-triangular
     for nanoGPT's ``tril(ones)``, a band for a sliding window. The cheap check is the tensor's
     *identity* (a weak reference to the object the pattern was last seen on) and its version
     counter (bumped by every in-place write). Addresses are not trusted: a fresh tensor always
