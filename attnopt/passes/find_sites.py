@@ -13,23 +13,47 @@ Matches, for every softmax node, the chain around it in the canonical vocabulary
 
 and emits a :class:`Match` (the nodes to replace and the proven :class:`AttentionSpec`) or a
 near miss: a :class:`SiteRecord` whose ``reason`` names the first condition that failed.
-Conditions proven from the shapes in ``node.meta``, never from variable names:
+The matcher is a table of named rules, :data:`RULES`, run in order on a shared partial match; the
+first rule that cannot prove its condition refuses, names itself in ``record.extra["rule"]`` and
+counts in :data:`REFUSALS`. Conditions are proven from the shapes in ``node.meta``, never from
+variable names:
 
-* the softmax is over the last axis of the scores, which is the key axis of the product;
-* every intermediate (scores, probabilities) has exactly one user, so nothing else sees them;
-* the scale is a scalar; masks have the scores' dtype and do not broadcast the scores up;
-* q, k, v have the same rank (2-4), and equal batch/head dims, or heads that ``repeat_kv``
-  (unsqueeze + expand + reshape) provably shares in groups, which ``enable_gqa`` reproduces;
-* the site's output has the shape SDPA returns.
+* *softmax over the key axis*: the scores' shape is known and the softmax is over its last axis;
+* *probabilities reach P @ V*: through casts, copies and at most one dropout to ``P @ V`` (or
+  ``v^T @ P^T``), every step the only user of the one before, so nothing else sees the probabilities;
+* *scores come from q @ k^T*: back through scales, masks, biases, score modifiers and casts to the
+  product (or ``baddbmm``), again every intermediate with exactly one user;
+* *conversions keep every value*: only widening casts (or back to the compute dtype; v's on the
+  probabilities);
+* *scale, score modifier, then masks*: the scale is a scalar; an elementwise modifier comes before
+  any mask; a factor after a mask is a positive constant;
+* *q, k, v shapes line up*: q, k, v have the same rank (2-4), keys and values one length, and the
+  scores are not broadcast beyond ``q @ k^T``;
+* *heads match or are shared*: equal batch/head dims, or heads that ``repeat_kv`` (unsqueeze +
+  expand + reshape) provably shares in groups, or one broadcast head: what ``enable_gqa`` reproduces;
+* *the output has SDPA's shape*: ``[..., Tq, Dv]``;
+* *masks are planned*: passes/masks.py reads them as one SDPA mask; masks have the scores' dtype
+  and do not broadcast the scores up;
+* *q and k share a floating dtype*, the compute dtype;
+* *fills hold in the compute dtype*: finite fills that stay exact;
+* *v is floating*;
+* *assemble the match*: the :class:`AttentionSpec` and the :class:`Match` (never refuses);
+* *no in-place write inside the site*: nothing the site reads is written between its first read
+  and ``P @ V``.
 
 Example: nanoGPT's block yields one Match with ``spec.describe() == "scale=0.125, causal
-(top-left), dropout p=0.1"``.
+(top-left), dropout p=0.1"``; ``q @ k.transpose(-2, -1)`` softmaxed over ``dim=-2`` is refused by
+*softmax over the key axis*: "softmax is over dim 2, the query axis, not the last (key) axis of the
+4-D scores".
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +76,8 @@ from .canon import (
     writes,
 )
 from .masks import Add, Fill, MaskPlan, neg_large, plan_mask, same
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -195,9 +221,407 @@ def _scale_value(x: Any) -> float | torch.SymFloat | None:
     return None
 
 
+# ----------------------------------------------------------------------------- the rules
+
+@dataclass
+class _Partial:
+    """A match in progress: what the rules so far have proven, for the rules after them."""
+
+    gm: fx.GraphModule
+    softmax: fx.Node
+    concrete: dict[fx.Node, torch.Tensor]
+    record: SiteRecord
+    sm: Op  # the softmax as read: (scores, dim, dtype)
+    scores_in: fx.Node  # the softmax's input
+    s_shape: tuple[Any, ...] = ()  # the scores' shape and rank
+    nd: int = 0
+    internal: list[fx.Node] = field(default_factory=list)  # the nodes the site replaces
+    # forward: probabilities -> P @ V
+    dropout: tuple[Any, str] = (0.0, "off")  # (p, mode)
+    dropout_module: str | None = None
+    post_casts: list[fx.Node] = field(default_factory=list)
+    pv: fx.Node | None = None
+    v: Any = None
+    v_transposed: bool = False
+    # backward: scores <- product
+    chain: list[tuple[str, Any]] = field(default_factory=list)  # (kind, payload) in program order
+    product: fx.Node | None = None
+    q: Any = None
+    k_t: Any = None  # the product's right operand (k itself when ``k_transposed``)
+    k_transposed: bool = False
+    # the chain read: scale, score modifier, masks
+    scale: float = 1.0
+    scale_tensors: list[tuple[Any, str]] = field(default_factory=list)
+    scale_nodes: list[tuple[Any, str]] = field(default_factory=list)
+    masks: list[Any] = field(default_factory=list)
+    mods: list[tuple[Any, ...]] = field(default_factory=list)
+    score_mod: ElementwiseScoreMod | None = None
+    # operands
+    k: fx.Node | None = None  # None: the key is ``k_t`` transposed back
+    key_shape: Any = None
+    q_shape: Any = None
+    v_shape: Any = None
+    out_shape: Any = None
+    tq: Any = None
+    tk: Any = None
+    gqa: bool = False
+    k_src: Any = None  # k and v as the site reads them (behind repeat_kv when ``gqa``)
+    v_src: Any = None
+    plan: MaskPlan | None = None
+    q_dtype: torch.dtype | None = None
+    match: Match | None = None
+
+
+def _softmax_axis(st: _Partial) -> None:
+    """The scores have a known shape and the softmax runs over their last (key) axis."""
+    s_shape = shape_of(st.scores_in)
+    if s_shape is None:
+        raise NearMiss("no shape information for the scores (capture with example inputs)", NOT_ATTENTION)
+    st.s_shape, st.nd = s_shape, len(s_shape)
+    dim, nd = st.sm.args[1], st.nd
+    if dim != nd - 1:
+        axes = {4: ("batch", "head", "query", "key"), 3: ("batch", "query", "key"), 2: ("query", "key")}.get(nd)
+        name = f", the {axes[dim]} axis" if axes and isinstance(dim, int) and 0 <= dim < nd else ""
+        raise NearMiss(f"softmax is over dim {dim}{name}, not the last (key) axis of the {nd}-D scores"
+                       f"{_at(st.softmax)}", NOT_ATTENTION)
+
+
+def _forward_to_pv(st: _Partial) -> None:
+    """From the softmax through casts, copies and at most one dropout to ``P @ V`` (or ``v^T @ P^T``),
+    each step the only user of the one before."""
+    cur = st.softmax
+    while st.pv is None:
+        try:
+            user = _only_user(cur, "attention probabilities")
+        except NearMiss:
+            if not any(read(u, st.gm) is not None and read(u, st.gm).kind == "matmul"  # type: ignore[union-attr]
+                       for u in cur.users):
+                raise NearMiss("the softmax output does not feed a product with values", NOT_ATTENTION) from None
+            raise
+        op = read(user, st.gm)
+        if op is None:
+            raise NearMiss(f"the probabilities pass through `{getattr(user.target, '__name__', user.target)}`"
+                           f"{_at(user)} before the product with values",
+                           NOT_ATTENTION if cur is st.softmax else LEFT_ALONE)
+        if op.kind in ("cast", "identity", "dropout") and op.args[0] is cur:
+            _transparent_step(st, user, op)
+            cur = user
+        elif op.kind == "transpose" and op.args[0] is cur and (op.args[1], op.args[2]) == (st.nd - 2, st.nd - 1):
+            _transposed_pv(st, cur, user, op)
+        elif op.kind == "matmul":
+            _pv(st, cur, user, op)
+        else:
+            raise NearMiss(f"the probabilities are changed by {op.spelling}{_at(user)} after the softmax "
+                           "(a mask or product after the softmax without renormalising)",
+                           NOT_ATTENTION if op.kind not in ("scale", "mul", "add", "masked_fill", "where")
+                           else LEFT_ALONE)
+
+
+def _transparent_step(st: _Partial, user: fx.Node, op: Op) -> None:
+    """A cast, a copy or the (one) dropout on the probabilities: part of the site."""
+    if op.kind == "dropout":
+        if st.dropout[1] != "off":
+            raise NearMiss("two dropouts on the probabilities")
+        st.dropout = (op.args[1], op.args[2])
+        if op.args[2] == "module":
+            st.dropout_module = str(user.target)
+    elif op.kind == "cast":
+        st.post_casts.append(user)
+    st.record.spelling.append(op.spelling)
+    st.internal.append(user)
+
+
+def _transposed_pv(st: _Partial, cur: fx.Node, user: fx.Node, op: Op) -> None:
+    """Transposed P·V layout: out^T = v^T @ P^T (e.g. ``bmm(v, p.transpose(1, 2))`` on [B, C, HW])."""
+    pt_user = _only_user(user, "attention probabilities")
+    pop_ = read(pt_user, st.gm)
+    if pop_ is None or pop_.kind != "matmul" or pop_.args[1] is not user or pop_.args[0] is user or pop_.args[2]:
+        raise NearMiss("the transposed probabilities do not feed a product `v^T @ P^T`",
+                       NOT_ATTENTION if cur is st.softmax else LEFT_ALONE)
+    st.internal.append(user)
+    st.pv, st.v, st.v_transposed = pt_user, pop_.args[0], True
+    st.record.spelling.extend([op.spelling, f"v^T {pop_.spelling} P^T"])
+
+
+def _pv(st: _Partial, cur: fx.Node, user: fx.Node, op: Op) -> None:
+    """``P @ V``: the probabilities are the left operand, v is not transposed."""
+    a, b, b_t = op.args
+    if a is not cur or b is cur:
+        raise NearMiss("the probabilities are the right operand of the product with values, not transposed "
+                       "(only `v^T @ P^T` is rewritten)")
+    if b_t:
+        raise NearMiss("the values are multiplied transposed (einsum over their last axis)")
+    st.pv, st.v = user, b
+    st.record.spelling.append(op.spelling)
+
+
+def _back_to_product(st: _Partial) -> None:
+    """Back from the softmax through scales, masks, biases, score modifiers and casts to ``q @ k^T``
+    (``baddbmm`` included), each step the only user of the one before."""
+    record = st.record
+    post_spelling, record.spelling = record.spelling, []
+    chain: list[tuple[str, Any]] = []  # collected backwards; reversed into program order below
+    cur = st.scores_in
+    _only_user(cur, "attention scores")  # the softmax's own input: returned or stored elsewhere?
+    while True:
+        op = read(cur, st.gm)
+        if op is None:
+            raise NearMiss(f"the scores pass through `{getattr(cur.target, '__name__', cur.target)}`{_at(cur)} "
+                           "between the product and the softmax", NOT_ATTENTION)
+        if op.kind == "baddbmm":
+            _baddbmm_terms(op, chain, record)
+            break
+        nxt = _step_back(op, cur, chain, record)
+        if nxt is None:
+            if op.kind == "matmul":
+                break
+            raise NearMiss(f"the scores pass through {op.spelling}{_at(cur)} between the product and the softmax",
+                           NOT_ATTENTION)
+        st.internal.append(cur)
+        _only_user(nxt, "attention scores")
+        cur = nxt
+    chain.reverse()
+    st.chain, st.product = chain, cur
+    st.internal.append(cur)
+    pop = read(cur, st.gm)
+    assert pop is not None
+    record.spelling = [pop.spelling, *reversed(record.spelling), *post_spelling]
+    st.q, st.k_t, st.k_transposed = pop.args if pop.kind == "matmul" else (pop.args[1], pop.args[2], False)
+
+
+def _casts(st: _Partial) -> None:
+    """The conversions on the scores and the probabilities keep every value (:func:`_check_casts`)."""
+    _check_casts(st.softmax, st.sm.args[2], [n for kind, n in st.chain if kind == "cast"], st.post_casts,
+                 dtype_of(st.q), dtype_of(st.v))
+
+
+def _scale_mods_masks(st: _Partial) -> None:
+    """The chain in program order: one scalar scale, an elementwise score modifier before any mask, then the
+    masks (a constant positive factor may follow them)."""
+    for kind, payload in st.chain:
+        if kind == "mod":
+            _add_mod(st, payload)
+        elif kind == "mask":
+            st.masks.append(payload)
+        elif kind == "scale":
+            _add_scale(st, *payload)
+    if not math.isfinite(st.scale):
+        raise NearMiss(f"the scale {st.scale} is not finite")
+    try:
+        st.score_mod = ElementwiseScoreMod(tuple(st.mods)) if st.mods else None
+    except ValueError as e:
+        raise NearMiss(f"the score modifier is not one attnopt reads: {e}") from e
+
+
+def _add_mod(st: _Partial, payload: tuple[Any, ...]) -> None:
+    """An elementwise score modifier, which must come before every mask."""
+    if st.masks:
+        try:
+            step = ElementwiseScoreMod((payload,)).describe()
+        except ValueError:
+            step = str(payload[0])
+        raise NearMiss(f"the score modifier {step} is applied after a mask (it would change the "
+                       "masked scores too)")
+    st.mods.append(payload)
+
+
+def _add_scale(st: _Partial, factor: Any, how: str) -> None:
+    """A factor on the scores: into the scale, or, after a modifier or mask, into those."""
+    value = _scale_value(factor)
+    if st.mods or st.masks:
+        if value is None or value == 0 or not math.isfinite(value):
+            raise NearMiss(f"the scores are scaled by `{factor}` after a "
+                           f"{'score modifier' if st.mods and not st.masks else 'mask'}; only constant non-zero "
+                           "factors are rewritten there")
+        c = value if how == "mul" else 1.0 / value
+        if st.masks:  # scale after a mask: the masked values are scaled too
+            if c <= 0:
+                raise NearMiss(f"the scores are scaled by {c:g} after a mask; a negative factor turns the mask over")
+            st.masks = [_scaled_mask(t, c, how, value) for t in st.masks]
+            if st.mods:  # c * mask(mod(s)) = mask'(c * mod(s)): the factor joins the modifier, not the scale
+                st.mods.append(("mul", c))
+            else:
+                st.scale *= c
+        else:
+            st.mods.append(("mul", c))
+        return
+    if value is None:
+        if isinstance(factor, fx.Node) and (is_zero_dim_tensor(factor) or _per_row_block_factor(factor, st.q)):
+            st.scale_tensors.append((factor, how))  # folded into q, so gradients still reach it
+            return
+        if is_scalar(factor):  # a number only known at run time (e.g. a float module attribute)
+            st.scale_nodes.append((factor, how))
+            return
+        raise NearMiss(f"the scale `{factor}` is not a number known at capture")
+    if how == "div":
+        if value == 0:
+            raise NearMiss("the scores are divided by zero")
+        st.scale = st.scale / value
+    else:
+        st.scale = st.scale * value
+
+
+def _operand_shapes(st: _Partial) -> None:
+    """q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv] of one rank (2 to 4); the scores are q @ k^T's shape."""
+    if st.k_transposed:
+        st.k, st.k_t = st.k_t, None
+    else:
+        kop = read(st.k_t, st.gm)
+        kt_shape = shape_of(st.k_t)
+        if kop is not None and kop.kind == "transpose" and kt_shape is not None \
+                and (kop.args[1], kop.args[2]) == (len(kt_shape) - 2, len(kt_shape) - 1):
+            st.k = kop.args[0]
+            st.record.spelling.insert(1, "k" + kop.spelling.replace("()", "(-2, -1)")
+                                      if kop.spelling.startswith(".") else f"{kop.spelling}(k)")
+    key_shape = shape_of(st.k) if st.k is not None else _t_shape(shape_of(st.k_t))
+    q_shape, v_shape, out_shape = shape_of(st.q), shape_of(st.v), shape_of(st.pv)
+    if st.v_transposed:  # v^T @ P^T: read the shapes of v and of the output as if untransposed
+        v_shape, out_shape = _t_shape(v_shape), _t_shape(out_shape)
+    if key_shape is None or q_shape is None or v_shape is None or out_shape is None:
+        raise NearMiss("missing shape information for q, k or v")
+    if not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):
+        raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; "
+                       "equal ranks of 2 to 4 are rewritten")
+    st.key_shape, st.q_shape, st.v_shape, st.out_shape = key_shape, q_shape, v_shape, out_shape
+    st.tq, st.tk = q_shape[-2], key_shape[-2]
+    if not same(v_shape[-2], st.tk):
+        raise NearMiss("the values' sequence axis does not match the keys'")
+    if not (same(st.s_shape[-2], st.tq) and same(st.s_shape[-1], st.tk)):
+        raise NearMiss("the scores are broadcast to a larger shape than q @ k^T")
+
+
+def _heads(st: _Partial) -> None:
+    """Equal batch/head dims, or key/value heads that ``enable_gqa`` reproduces: one head broadcast to every
+    query head, or heads that ``repeat_kv`` (``repeat_interleave``, ``expand``) shares in groups."""
+    q_shape, key_shape, v_shape = st.q_shape, st.key_shape, st.v_shape
+    st.k_src, st.v_src = st.k, st.v
+    heads_differ = not all(same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
+        not all(same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2]))
+    if heads_differ and len(q_shape) == 4 and same(q_shape[0], key_shape[0]) and same(q_shape[0], v_shape[0]) \
+            and same(key_shape[1], 1) and same(v_shape[1], 1):
+        st.gqa = True  # one key/value head broadcast against every query head: enable_gqa with Hkv = 1
+        st.record.spelling.append("one kv head (broadcast)")
+    elif heads_differ:
+        raise NearMiss(f"batch/head dims of q {list(q_shape[:-2])}, k {list(key_shape[:-2])} and "
+                       f"v {list(v_shape[:-2])} differ (broadcast inside the product)")
+    elif len(q_shape) == 4 and st.k is not None and not st.v_transposed:
+        (k0, how_k), (v0, how_v) = _kv_source(st.gm, st.k), _kv_source(st.gm, st.v)
+        if k0 is not None and v0 is not None and same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore[index]
+            st.k_src, st.v_src, st.gqa = k0, v0, True
+            st.record.spelling.append(how_k if how_k == how_v else f"{how_k}/{how_v}")
+
+
+def _output_shape(st: _Partial) -> None:
+    """The site's output is [..., Tq, Dv], the shape SDPA returns."""
+    if not (same(st.out_shape[-2], st.tq) and same(st.out_shape[-1], st.v_shape[-1])):
+        raise NearMiss("the output shape is not [..., Tq, Dv]")
+
+
+def _masks(st: _Partial) -> None:
+    """passes/masks.py reads the masks as one SDPA mask; each has no more dims than the scores, and an
+    additive one the scores' dtype."""
+    plan = plan_mask(st.masks, st.tq, st.tk, dtype_of(st.scores_in), st.gm, st.concrete)
+    if isinstance(plan, str):
+        raise NearMiss(plan)
+    st.plan = plan
+    for t in st.masks:
+        m = t.mask if isinstance(t, Add) else t.cond
+        ms = shape_of(m)
+        if ms is None or len(ms) > st.nd:
+            raise NearMiss("the mask has more dims than the scores")
+        if isinstance(t, Add) and dtype_of(m) != dtype_of(st.product):
+            raise NearMiss(f"the additive mask has dtype {dtype_of(m)} but the scores {dtype_of(st.product)}")
+
+
+def _qk_dtype(st: _Partial) -> None:
+    """q and k have one floating dtype, the one the site computes in."""
+    q_dtype, k_dtype = dtype_of(st.q), dtype_of(st.k if st.k is not None else st.k_t)
+    if q_dtype != k_dtype or q_dtype is None or not q_dtype.is_floating_point:
+        raise NearMiss(f"q and k have dtypes {q_dtype} and {k_dtype}")
+    st.q_dtype = q_dtype
+
+
+def _fills(st: _Partial) -> None:
+    """A finite fill stays exact: no score modifier before a bounded fill, and a dtype minimum that exists in
+    the dtype SDPA adds masks in."""
+    plan = st.plan
+    assert plan is not None
+    if plan.bound_fill is not None and st.score_mod is not None:
+        raise NearMiss(f"the mask fills scores with {plan.bound_fill:g} after a score modifier; the bound that makes "
+                       "such a finite fill exact does not hold through the modifier")
+    if plan.kind == "additive" and plan.bound_fill is None:
+        for t in st.masks:
+            if isinstance(t, Fill) and t.value != -math.inf and t.dtype != st.q_dtype:
+                raise NearMiss(f"the scores are filled with the {t.dtype} minimum but SDPA adds masks in "
+                               f"{st.q_dtype}, where that value does not exist")
+
+
+def _v_dtype(st: _Partial) -> None:
+    """v has a floating dtype."""
+    v_dtype = dtype_of(st.v)
+    if v_dtype is None or not v_dtype.is_floating_point:
+        raise NearMiss(f"v has dtype {v_dtype}")
+
+
+def _assemble(st: _Partial) -> None:
+    """The proven :class:`AttentionSpec` and the :class:`Match` (never refuses)."""
+    plan, dropout, record = st.plan, st.dropout, st.record
+    assert plan is not None and st.pv is not None
+    runtime_p = dropout[1] != "off" and not isinstance(dropout[0], (int, float))
+    spec = AttentionSpec(
+        scale=float(st.scale), mask=plan.kind, causal=plan.causal, nan_rows=plan.nan_rows,
+        dropout_p=float(dropout[0]) if dropout[1] != "off" and not runtime_p else 0.0, dropout_mode=dropout[1],
+        runtime_scale=bool(st.scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
+        gqa=st.gqa, ndim=len(st.q_shape), compute_dtype=st.q_dtype, out_dtype=dtype_of(st.pv),  # type: ignore
+        score_mod=st.score_mod.describe() if st.score_mod is not None else None, fill_value=plan.bound_fill,
+        window=plan.window, conditions=len(plan.conditions),
+    )
+    if plan.kind != "none":
+        shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"
+        record.spelling.append(f"mask({plan.fill_spelling}{shape})")
+    st.internal.extend([st.softmax, st.pv])
+    st.match = Match(record=record, softmax=st.softmax, output=st.pv, q=st.q, k=st.k_src,
+                     k_t=st.k_t if st.k is None else None, v=st.v_src, spec=spec, mask=plan,
+                     scale_tensors=st.scale_tensors, scale_nodes=st.scale_nodes,
+                     dropout_p=dropout[0] if runtime_p else None, dropout_module=st.dropout_module,
+                     internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed)
+
+
+def _no_write_in_window(st: _Partial) -> None:
+    """Nothing the site reads is written in place between its first read and ``P @ V``."""
+    assert st.match is not None
+    _check_no_write_before_site(st.gm, st.match)
+
+
+#: The matcher: (name, rule) run in order on one softmax; the first rule that cannot prove its condition
+#: refuses the site. To read a new spelling, change the one rule it belongs to.
+RULES: tuple[tuple[str, Callable[[_Partial], None]], ...] = (
+    ("softmax over the key axis", _softmax_axis),  # shape known, dim = last
+    ("probabilities reach P @ V", _forward_to_pv),  # casts, copies, one dropout, then P @ V or v^T @ P^T
+    ("scores come from q @ k^T", _back_to_product),  # scales, masks, biases, modifiers, casts back to the product
+    ("conversions keep every value", _casts),  # widening casts only, or the HF ``.to(v.dtype)``
+    ("scale, score modifier, then masks", _scale_mods_masks),  # the chain read in program order
+    ("q, k, v shapes line up", _operand_shapes),  # equal ranks 2-4, one key length, scores not broadcast
+    ("heads match or are shared", _heads),  # equal batch/head dims, or enable_gqa's grouping
+    ("the output has SDPA's shape", _output_shape),  # [..., Tq, Dv]
+    ("masks are planned", _masks),  # passes/masks.py: one SDPA mask, causal or windowed where proven
+    ("q and k share a floating dtype", _qk_dtype),  # the compute dtype
+    ("fills hold in the compute dtype", _fills),  # finite fills that stay exact
+    ("v is floating", _v_dtype),  # no integer or bool values
+    ("assemble the match", _assemble),  # the AttentionSpec and the Match; never refuses
+    ("no in-place write inside the site", _no_write_in_window),  # the fused kernel reads what P @ V would
+)
+
+#: Refusals per rule name, over every softmax matched since import (``REFUSALS.clear()`` resets them).
+REFUSALS: Counter[str] = Counter()
+
+
 def match_site(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.Tensor],
                index: int) -> Match | SiteRecord:
-    """Try to prove that ``softmax`` is an attention site; return a Match or a near-miss record."""
+    """Try to prove that ``softmax`` is an attention site; return a Match or a near-miss record.
+
+    A near miss's record says why (``reason``) and which rule refused (``extra["rule"]``).
+    """
     path, source = place_of(softmax)
     record = SiteRecord(name=f"site{index}", module_path=path, source=source)
     try:
@@ -210,272 +634,21 @@ def match_site(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, tor
 
 def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.Tensor],
            record: SiteRecord) -> Match:
+    """Run :data:`RULES` in order; a refusal names its rule on the record, in :data:`REFUSALS` and the log."""
     sm = read(softmax, gm)
     assert sm is not None and sm.kind == "softmax"
     record.spelling.append(sm.spelling)
-    scores_in, dim, _ = sm.args
-    s_shape = shape_of(scores_in)
-    if s_shape is None:
-        raise NearMiss("no shape information for the scores (capture with example inputs)", NOT_ATTENTION)
-    nd = len(s_shape)
-    if dim != nd - 1:
-        axes = {4: ("batch", "head", "query", "key"), 3: ("batch", "query", "key"), 2: ("query", "key")}.get(nd)
-        name = f", the {axes[dim]} axis" if axes and isinstance(dim, int) and 0 <= dim < nd else ""
-        raise NearMiss(f"softmax is over dim {dim}{name}, not the last (key) axis of the {nd}-D scores{_at(softmax)}",
-                       NOT_ATTENTION)
-
-    # ---- forward from the softmax: probabilities -> P @ V
-    internal: list[fx.Node] = []
-    cur = softmax
-    dropout: tuple[Any, str] = (0.0, "off")
-    dropout_module: str | None = None
-    v_transposed = False
-    post_casts: list[fx.Node] = []
-    while True:
+    st = _Partial(gm, softmax, concrete, record, sm, scores_in=sm.args[0])
+    for name, rule in RULES:
         try:
-            user = _only_user(cur, "attention probabilities")
-        except NearMiss:
-            if not any(read(u, gm) is not None and read(u, gm).kind == "matmul" for u in cur.users):  # type: ignore
-                raise NearMiss("the softmax output does not feed a product with values", NOT_ATTENTION) from None
+            rule(st)
+        except NearMiss as e:
+            REFUSALS[name] += 1
+            record.extra["rule"] = name
+            log.debug("%s (%s %s): rule %r refuses: %s", record.name, record.module_path, record.source, name, e)
             raise
-        op = read(user, gm)
-        if op is None:
-            raise NearMiss(f"the probabilities pass through `{getattr(user.target, '__name__', user.target)}`"
-                           f"{_at(user)} before the product with values",
-                           NOT_ATTENTION if cur is softmax else LEFT_ALONE)
-        if op.kind in ("cast", "identity") and op.args[0] is cur:
-            if op.kind == "cast":
-                post_casts.append(user)
-            record.spelling.append(op.spelling)
-            internal.append(user)
-            cur = user
-            continue
-        if op.kind == "dropout" and op.args[0] is cur:
-            if dropout[1] != "off":
-                raise NearMiss("two dropouts on the probabilities")
-            dropout = (op.args[1], op.args[2])
-            if op.args[2] == "module":
-                dropout_module = str(user.target)
-            record.spelling.append(op.spelling)
-            internal.append(user)
-            cur = user
-            continue
-        if op.kind == "transpose" and op.args[0] is cur and (op.args[1], op.args[2]) == (nd - 2, nd - 1):
-            # transposed P·V layout: out^T = v^T @ P^T (e.g. bmm(v, p.transpose(1, 2)) on [B, C, HW])
-            pt_user = _only_user(user, "attention probabilities")
-            pop_ = read(pt_user, gm)
-            if pop_ is None or pop_.kind != "matmul" or pop_.args[1] is not user or pop_.args[0] is user \
-                    or pop_.args[2]:
-                raise NearMiss("the transposed probabilities do not feed a product `v^T @ P^T`",
-                               NOT_ATTENTION if cur is softmax else LEFT_ALONE)
-            internal.append(user)
-            pv, v, v_transposed = pt_user, pop_.args[0], True
-            record.spelling.extend([op.spelling, f"v^T {pop_.spelling} P^T"])
-            break
-        if op.kind == "matmul":
-            a, b, b_t = op.args
-            if a is not cur or b is cur:
-                raise NearMiss("the probabilities are the right operand of the product with values, not transposed "
-                               "(only `v^T @ P^T` is rewritten)")
-            if b_t:
-                raise NearMiss("the values are multiplied transposed (einsum over their last axis)")
-            pv = user
-            v = b
-            record.spelling.append(op.spelling)
-            break
-        raise NearMiss(f"the probabilities are changed by {op.spelling}{_at(user)} after the softmax "
-                       "(a mask or product after the softmax without renormalising)",
-                       NOT_ATTENTION if op.kind not in ("scale", "mul", "add", "masked_fill", "where")
-                       else LEFT_ALONE)
-
-    # ---- backward from the softmax: scores <- masks <- scale <- product
-    post_spelling, record.spelling = record.spelling, []
-    chain: list[tuple[str, Any]] = []  # collected backwards; reversed into program order below
-    cur = scores_in
-    _only_user(scores_in, "attention scores")  # the softmax's own input: returned or stored elsewhere?
-    product: fx.Node | None = None
-    while product is None:
-        op = read(cur, gm)
-        if op is None:
-            raise NearMiss(f"the scores pass through `{getattr(cur.target, '__name__', cur.target)}`{_at(cur)} "
-                           "between the product and the softmax", NOT_ATTENTION)
-        if op.kind == "baddbmm":
-            _baddbmm_terms(op, chain, record)
-            product = cur
-            break
-        nxt = _step_back(op, cur, chain, record)
-        if nxt is None:
-            if op.kind == "matmul":
-                product = cur
-                break
-            raise NearMiss(f"the scores pass through {op.spelling}{_at(cur)} between the product and the softmax",
-                           NOT_ATTENTION)
-        internal.append(cur)
-        _only_user(nxt, "attention scores")
-        cur = nxt
-    chain.reverse()
-    internal.append(product)
-    pop = read(product, gm)
-    assert pop is not None
-    record.spelling = [pop.spelling, *reversed(record.spelling), *post_spelling]
-    q, k_t, k_transposed = pop.args if pop.kind == "matmul" else (pop.args[1], pop.args[2], False)
-    _check_casts(softmax, sm.args[2], [n for kind, n in chain if kind == "cast"], post_casts, dtype_of(q),
-                 dtype_of(v))
-    # ---- scale, score modifier, then masks, in program order
-    scale = 1.0
-    scale_tensors: list[tuple[Any, str]] = []
-    scale_nodes: list[tuple[Any, str]] = []
-    masks: list[Any] = []
-    mods: list[tuple[Any, ...]] = []
-    for kind, payload in chain:
-        if kind == "cast":
-            continue
-        if kind == "mod":
-            if masks:
-                try:
-                    step = ElementwiseScoreMod((payload,)).describe()
-                except ValueError:
-                    step = str(payload[0])
-                raise NearMiss(f"the score modifier {step} is applied after a mask (it would change the "
-                               "masked scores too)")
-            mods.append(payload)
-            continue
-        if kind == "mask":
-            masks.append(payload)
-            continue
-        factor, how = payload
-        value = _scale_value(factor)
-        if mods or masks:
-            if value is None or value == 0 or not math.isfinite(value):
-                raise NearMiss(f"the scores are scaled by `{factor}` after a "
-                               f"{'score modifier' if mods and not masks else 'mask'}; only constant non-zero "
-                               "factors are rewritten there")
-            c = value if how == "mul" else 1.0 / value
-        if masks:  # scale after a mask: the masked values are scaled too
-            if c <= 0:
-                raise NearMiss(f"the scores are scaled by {c:g} after a mask; a negative factor turns the mask over")
-            masks = [_scaled_mask(t, c, how, value) for t in masks]
-            if mods:  # c * mask(mod(s)) = mask'(c * mod(s)): the factor joins the modifier, not the scale
-                mods.append(("mul", c))
-            else:
-                scale *= c
-            continue
-        if mods:
-            mods.append(("mul", c))
-            continue
-        if value is None:
-            if isinstance(factor, fx.Node) and (is_zero_dim_tensor(factor) or _per_row_block_factor(factor, q)):
-                scale_tensors.append((factor, how))  # folded into q, so gradients still reach it
-                continue
-            if is_scalar(factor):  # a number only known at run time (e.g. a float module attribute)
-                scale_nodes.append((factor, how))
-                continue
-            raise NearMiss(f"the scale `{factor}` is not a number known at capture")
-        if how == "div":
-            if value == 0:
-                raise NearMiss("the scores are divided by zero")
-            scale = scale / value
-        else:
-            scale = scale * value
-    if not math.isfinite(scale):
-        raise NearMiss(f"the scale {scale} is not finite")
-    try:
-        score_mod = ElementwiseScoreMod(tuple(mods)) if mods else None
-    except ValueError as e:
-        raise NearMiss(f"the score modifier is not one attnopt reads: {e}") from e
-
-    # ---- operands: q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv]
-    k = None
-    if k_transposed:
-        k = k_t
-        k_t = None
-    else:
-        kop = read(k_t, gm)
-        kt_shape = shape_of(k_t)
-        if kop is not None and kop.kind == "transpose" and kt_shape is not None \
-                and (kop.args[1], kop.args[2]) == (len(kt_shape) - 2, len(kt_shape) - 1):
-            k = kop.args[0]
-            record.spelling.insert(1, "k" + kop.spelling.replace("()", "(-2, -1)") if kop.spelling.startswith(".")
-                                   else f"{kop.spelling}(k)")
-    key_shape = shape_of(k) if k is not None else _t_shape(shape_of(k_t))
-    q_shape, v_shape, out_shape = shape_of(q), shape_of(v), shape_of(pv)
-    if v_transposed:  # v^T @ P^T: read the shapes of v and of the output as if untransposed
-        v_shape, out_shape = _t_shape(v_shape), _t_shape(out_shape)
-    if None in (key_shape, q_shape, v_shape, out_shape):
-        raise NearMiss("missing shape information for q, k or v")
-    if not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):  # type: ignore[arg-type]
-        raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; "  # type: ignore
-                       "equal ranks of 2 to 4 are rewritten")
-    tq, tk = q_shape[-2], key_shape[-2]  # type: ignore[index]
-    if not same(v_shape[-2], tk):  # type: ignore[index]
-        raise NearMiss("the values' sequence axis does not match the keys'")
-    if not (same(s_shape[-2], tq) and same(s_shape[-1], tk)):
-        raise NearMiss("the scores are broadcast to a larger shape than q @ k^T")
-
-    gqa = False
-    k_src, v_src = k, v
-    heads_differ = not all(same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
-        not all(same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2]))  # type: ignore[index]
-    if heads_differ and len(q_shape) == 4 and same(q_shape[0], key_shape[0]) and same(q_shape[0], v_shape[0]) \
-            and same(key_shape[1], 1) and same(v_shape[1], 1):  # type: ignore[index]
-        gqa = True  # one key/value head broadcast against every query head: enable_gqa with Hkv = 1
-        record.spelling.append("one kv head (broadcast)")
-    elif heads_differ:
-        raise NearMiss(f"batch/head dims of q {list(q_shape[:-2])}, k {list(key_shape[:-2])} and "  # type: ignore
-                       f"v {list(v_shape[:-2])} differ (broadcast inside the product)")
-    elif len(q_shape) == 4 and k is not None and not v_transposed:  # type: ignore[arg-type]
-        (k0, how_k), (v0, how_v) = _kv_source(gm, k), _kv_source(gm, v)
-        if k0 is not None and v0 is not None and same(shape_of(k0)[1], shape_of(v0)[1]):  # type: ignore
-            k_src, v_src, gqa = k0, v0, True
-            record.spelling.append(how_k if how_k == how_v else f"{how_k}/{how_v}")
-    if not (same(out_shape[-2], tq) and same(out_shape[-1], v_shape[-1])):  # type: ignore[index]
-        raise NearMiss("the output shape is not [..., Tq, Dv]")
-
-    # ---- masks
-    s_dtype = dtype_of(scores_in)
-    plan = plan_mask(masks, tq, tk, s_dtype, gm, concrete)
-    if isinstance(plan, str):
-        raise NearMiss(plan)
-    for t in masks:
-        m = t.mask if isinstance(t, Add) else t.cond
-        ms = shape_of(m)
-        if ms is None or len(ms) > nd:
-            raise NearMiss("the mask has more dims than the scores")
-        if isinstance(t, Add) and dtype_of(m) != dtype_of(product):
-            raise NearMiss(f"the additive mask has dtype {dtype_of(m)} but the scores {dtype_of(product)}")
-
-    q_dtype, k_dtype, v_dtype = dtype_of(q), dtype_of(k if k is not None else k_t), dtype_of(v)
-    if q_dtype != k_dtype or q_dtype is None or not q_dtype.is_floating_point:
-        raise NearMiss(f"q and k have dtypes {q_dtype} and {k_dtype}")
-    if plan.bound_fill is not None and score_mod is not None:
-        raise NearMiss(f"the mask fills scores with {plan.bound_fill:g} after a score modifier; the bound that makes "
-                       "such a finite fill exact does not hold through the modifier")
-    if plan.kind == "additive" and plan.bound_fill is None:
-        for t in masks:
-            if isinstance(t, Fill) and t.value != -math.inf and t.dtype != q_dtype:
-                raise NearMiss(f"the scores are filled with the {t.dtype} minimum but SDPA adds masks in "
-                               f"{q_dtype}, where that value does not exist")
-    if v_dtype is None or not v_dtype.is_floating_point:
-        raise NearMiss(f"v has dtype {v_dtype}")
-    runtime_p = dropout[1] != "off" and not isinstance(dropout[0], (int, float))
-    spec = AttentionSpec(
-        scale=float(scale), mask=plan.kind, causal=plan.causal, nan_rows=plan.nan_rows,
-        dropout_p=float(dropout[0]) if dropout[1] != "off" and not runtime_p else 0.0, dropout_mode=dropout[1],
-        runtime_scale=bool(scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
-        gqa=gqa, ndim=len(q_shape), compute_dtype=q_dtype, out_dtype=dtype_of(pv),  # type: ignore[arg-type]
-        score_mod=score_mod.describe() if score_mod is not None else None, fill_value=plan.bound_fill,
-        window=plan.window, conditions=len(plan.conditions),
-    )
-    if plan.kind != "none":
-        shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"
-        record.spelling.append(f"mask({plan.fill_spelling}{shape})")
-    internal.extend([softmax, pv])
-    match = Match(record=record, softmax=softmax, output=pv, q=q, k=k_src, k_t=k_t if k is None else None,
-                  v=v_src, spec=spec, mask=plan, scale_tensors=scale_tensors, scale_nodes=scale_nodes,
-                  dropout_p=dropout[0] if runtime_p else None, dropout_module=dropout_module,
-                  internal=internal, score_mod=score_mod, v_transposed=v_transposed)
-    _check_no_write_before_site(gm, match)
-    return match
+    assert st.match is not None
+    return st.match
 
 
 # ----------------------------------------------------------------------------- dtype conversions
@@ -931,4 +1104,4 @@ def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None 
     return out
 
 
-__all__ = ["Match", "NearMiss", "find_sites", "match_site"]
+__all__ = ["REFUSALS", "RULES", "Match", "NearMiss", "find_sites", "match_site"]

@@ -37,6 +37,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..kernels.bands import band_pattern
+from ..spec import Refusal
 from .canon import aliases, attr_value, convert_scalar, dtype_of, meta_value, mutated, read, shape_of
 
 
@@ -114,8 +115,8 @@ class _Affine:
     const: Any
 
 
-class _Unknown(Exception):
-    pass
+class _Unknown(Refusal):
+    """The band reader cannot read a value; the mask then goes to SDPA as a tensor (no reason needed)."""
 
 
 def same(a: Any, b: Any) -> bool:

@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from ..spec import PositionError
+from ..spec import PositionError, Refusal
 from .canon import meta_value, shape_of
 from .find_sites import place_of
 from .masks import same
@@ -65,8 +65,8 @@ _ORDER = {SHAPE: 0, CONST: 0, POSITION: 1, TOKEN: 2}
 _FULL = 2**63 - 1  # the end ``x[a:]`` records
 
 
-class _Refuse(Exception):
-    pass
+class _Refuse(Refusal):
+    """An op the position analysis refuses; ``str(e)`` says why, the caller names the op and line."""
 
 
 @dataclass(frozen=True)
