@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -197,7 +198,7 @@ def test_decode_falls_back_to_full_recompute_when_the_cache_refuses(factory, mon
 
     monkeypatch.setattr(profile_module, "_generation", lambda: (refuse, None))
     optimize = attnopt.optimize  # "auto" runs as "sdpa" here: the selector's tuning is not what this test checks
-    monkeypatch.setattr(attnopt, "optimize", lambda model, variant: optimize(model, variant="sdpa"))
+    monkeypatch.setattr(attnopt.api, "optimize", lambda model, variant: optimize(model, variant="sdpa"))
     report = profile(f"{factory}:build", seq_lens=(8,), phase="decode", **FAST)
     auto = report["records"][1]
     assert auto["variant"] == "auto" and auto["status"] == "ok"
@@ -345,3 +346,50 @@ def test_a_model_without_attention_reports_attention_as_not_available(factory):
         assert r["attention_s"] is None and r["attention_share"] is None and r["attention_flops"] is None
         assert "no attention site ran" in r["attention_note"]
     assert "its attention time is n/a" in report["summary"][0]
+
+
+def test_every_point_failing_exits_1_with_the_errors_in_full(factory, tmp_path, capsys):
+    long_reason = "Tiny takes at most 16 tokens " + "and this explanation goes on for a while " * 8
+    bad = factory.read_text().replace('f"Tiny takes at most {self.limit} tokens, got {T}"', repr(long_reason))
+    factory.write_text(bad)
+    rc = main(["profile", f"{factory}:build_failing", "--seq-lens", "24", "--variants", "eager,sdpa",
+               "--repeats", "1", "--matmul-size", "64", "--out", str(tmp_path / "p"), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "every measurement failed" in captured.err
+    report = _read_report(tmp_path / "p")
+    assert {r["status"] for r in report["records"]} == {"error"}
+    assert all(r["error"] == f"ValueError: {long_reason.strip()}" for r in report["records"])  # not cut
+    (line,) = [s for s in report["summary"] if "failed" in s]
+    quoted = line.split("error (", 1)[1].rsplit(")", 1)[0]
+    assert quoted.endswith(" ...") and len(quoted) <= 160
+    assert long_reason.startswith(quoted[:-4].removeprefix("ValueError: "))  # cut between words
+
+
+def test_one_point_ok_among_failures_exits_0(factory, tmp_path):
+    rc = main(["profile", f"{factory}:build_failing", "--seq-lens", "24,8", "--variants", "eager",
+               "--repeats", "1", "--matmul-size", "64", "--out", str(tmp_path / "p"), "--no-progress"])
+    assert rc == 0
+
+
+def test_report_json_gets_the_mode_the_plots_get(tmp_path):
+    from attnopt.profiling.report import write_json
+
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "report.json", {"a": 1})
+        (tmp_path / "plot.png").write_bytes(b"")  # what matplotlib's savefig does: a plain open()
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "report.json").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plot.png").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize(("speed", "words"), [(0.69, "1.45x slower"), (1.0, "1.00x faster"), (2.5, "2.50x faster")])
+def test_summary_says_slower_with_the_inverse_ratio(speed, words):
+    from attnopt.profiling.report import summarize
+
+    eager = profile_module._record("prefill", 1, 8, "eager", forward_s=0.1, peak_bytes=100)
+    other = profile_module._record("prefill", 1, 8, "sdpa", forward_s=0.1 / speed, peak_bytes=100,
+                                   speedup_vs_eager=speed, peak_ratio_vs_eager=1.0)
+    (line,) = [s for s in summarize([eager, other]) if s.startswith("prefill, B=1, T=8: sdpa")]
+    assert f"is {words} than eager" in line

@@ -82,4 +82,9 @@ def main(args: argparse.Namespace) -> int:
     for line in report["summary"]:
         print(line)
     print(f"\nwrote {Path(args.out) / 'report.json'}" + "".join(f", {p}" for p in report["plots"]))
+    statuses = {r["status"] for r in report["records"]}
+    if "ok" not in statuses and statuses & {"oom", "error"}:
+        print("attnopt profile: error: every measurement failed (see the errors above and in report.json)",
+              file=sys.stderr)
+        return 1
     return 0

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,16 @@ REPORT_SCHEMA: dict[str, Any] = {
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically: a temp file in the same folder, then ``os.replace``."""
+    """Write ``data`` to ``path`` atomically: a temp file in the same folder, then ``os.replace``.
+
+    The file gets the mode ``open()`` would give it (``0o666`` less the umask), like the plots beside
+    it; ``mkstemp`` alone would leave it readable by its owner only.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):  # not on Windows, where modes are not Unix modes anyway
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, allow_nan=False)
             f.write("\n")
@@ -110,6 +117,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _shorten(text: str, width: int = 160) -> str:
+    """``text`` on one line, cut at a word boundary with an ellipsis when longer than ``width``."""
+    return textwrap.shorten(" ".join(text.split()), width=width, placeholder=" ...")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _ms(s: float | None) -> str:
@@ -210,8 +228,8 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
                 speed, peak = r["speedup_vs_eager"], r["peak_ratio_vs_eager"]
                 peak_text = ("n/a" if peak is None else
                              f"{peak:.1f}x lower" if peak >= 1 else f"{1 / peak:.1f}x higher")
-                lines.append(f"{point}: {name} ({_changed(r)}) is {speed:.2f}x "
-                             f"{'faster' if speed >= 1 else 'slower'} than eager, peak {peak_text} "
+                speed_text = f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
+                lines.append(f"{point}: {name} ({_changed(r)}) is {speed_text} than eager, peak {peak_text} "
                              f"({_mib(r['peak_bytes'])} MiB{_where(r)}).")
             else:
                 lines.append(f"{point}: {name} takes {_ms(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
@@ -219,7 +237,8 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
     if failed:
         first = failed[0]
         lines.append(f"{len(failed)} measurement(s) failed, first: {first['variant']} at B={first['batch_size']}, "
-                     f"T={first['seq_len']} {first['phase']}: {first['status']} ({(first['error'] or '')[:120]}).")
+                     f"T={first['seq_len']} {first['phase']}: {first['status']} ({_shorten(first['error'] or '')}); "
+                     "report.json has the full message.")
     return lines
 
 

@@ -230,7 +230,7 @@ def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str
 
 def _failed(rec: dict[str, Any], e: BaseException) -> None:
     rec["status"] = "oom" if is_oom(e) else "error"
-    rec["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
+    rec["error"] = f"{type(e).__name__}: {e}".strip()  # in full: the summary shortens it
 
 
 class _Session:
