@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -29,7 +30,10 @@ def _cache_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def entry(choice: str = "sdpa", fast: float = 1.5) -> TuningEntry:
     return TuningEntry(choice, {"sdpa": fast, "math": 4.0, "flex": math.inf}, {"sdpa": 1024, "math": 4096},
-                       {"flex": "cannot apply a bool mask"}, tuning_s=0.25)
+                       {"flex": "cannot apply a bool mask"}, tuning_s=0.25, decision="faster than the runner-up math",
+                       rounds={"sdpa": 12, "math": 8}, spread_ms={"sdpa": (1.4, 1.6), "math": (3.9, 4.2)},
+                       ratios={"math": (2.7, 2.5, 2.9)}, pruned={"math": "slower than sdpa"}, confidence=0.99,
+                       load=(1.5, 1.75))
 
 
 def test_miss_then_hit_in_this_and_a_fresh_process_view(tmp_path: Path) -> None:
@@ -283,6 +287,13 @@ def test_entry_round_trip_is_strict_json() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"choice": ""}, "choice"),
+    ({"choice": "sdpa", "spread_ms": {"sdpa": (1.0,)}}, "spread_ms"),
+    ({"choice": "sdpa", "ratios": {"math": (1.0, 0.9, math.inf)}}, "ratios"),
+    ({"choice": "sdpa", "rounds": {"sdpa": -1}}, "rounds"),
+    ({"choice": "sdpa", "pruned": {"math": None}}, "pruned"),
+    ({"choice": "sdpa", "provisional": "yes"}, "provisional"),
+    ({"choice": "sdpa", "confidence": 1.5}, "confidence"),
+    ({"choice": "sdpa", "load": (math.nan,)}, "load"),
     ({"choice": "sdpa", "timings_ms": {"sdpa": math.nan}}, "timings_ms"),
     ({"choice": "sdpa", "timings_ms": {"sdpa": -1.0}}, "timings_ms"),
     ({"choice": "sdpa", "peak_bytes": {"sdpa": 1.5}}, "peak_bytes"),
@@ -317,3 +328,43 @@ def test_environment_describes_this_cpu_setup() -> None:
     assert env["device_type"] == "cpu" and env["device_name"]
     assert env["threads"] == str(torch.get_num_threads())
     assert all(isinstance(v, str) for v in env.values())
+
+
+def test_a_file_of_the_format_before_confidence_statistics_reads_as_provisional(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path)
+    key = cache.key(SHAPE, CANDIDATES, CPU)
+    old = {"choice": "sdpa", "timings_ms": {"sdpa": 1.0, "math": None}, "peak_bytes": {"sdpa": 10}, "rejected": {},
+           "created": "2024-01-01T00:00:00+00:00", "tuning_s": 0.5}  # what attnopt wrote before issue 15
+    cache.path_for(key).write_text(json.dumps({"format": 1, "key": key, "entry": old}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = TuningCache(tmp_path).lookup(key)
+    assert found.choice == "sdpa" and found.provisional and "older attnopt" in found.decision
+    assert found.timings_ms["math"] == math.inf
+    [record] = TuningCache(tmp_path).records()
+    assert record.entry == found and record.key == key and record.id == cache.path_for(key).stem
+
+
+def test_provisional_entries_round_trip_as_provisional(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path)
+    key = cache.key(SHAPE, CANDIDATES, CPU)
+    cache.store(key, dataclasses.replace(entry(), provisional=True))
+    got = TuningCache(tmp_path).lookup(key)
+    assert got.provisional and got == dataclasses.replace(entry(), provisional=True)
+    assert got.spread_ms["sdpa"] == (1.4, 1.6) and got.load == (1.5, 1.75)
+
+
+def test_records_list_every_readable_entry_oldest_first_and_remove_forgets_one(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path)
+    keys = [cache.key({**SHAPE, "B": b}, CANDIDATES, CPU) for b in (1, 2, 3)]
+    for i, key in enumerate(keys):
+        cache.store(key, dataclasses.replace(entry(), created=f"2025-01-0{3 - i}T00:00:00+00:00"))
+    (tmp_path / ("0" * 64 + ".json")).write_text("{broken")  # skipped silently
+    (tmp_path / "notes.txt").write_text("not ours")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = TuningCache(tmp_path).records()
+    assert [r.key for r in records] == keys[::-1]
+    assert cache.remove(keys[0]) and not cache.remove(keys[0])
+    assert cache.lookup(keys[0]) is None and len(TuningCache(tmp_path).records()) == 2
+    assert TuningCache(tmp_path / "none").records() == []

@@ -55,7 +55,8 @@ class Report:
                         tablefmt="simple", maxcolwidths=[None, 36, 40, None, 60])
 
     def tuning_table(self) -> str:
-        """The selector's choices: per site and shape key, the chosen candidate and the timings."""
+        """The selector's choices: per site and shape key, the chosen candidate, the timings with their
+        spread, and why (a *provisional* choice was not separated from a rival and is timed again later)."""
         from tabulate import tabulate
 
         from ..selection.selector import format_timings
@@ -64,11 +65,14 @@ class Report:
         for r in self.records:
             for key, entry in r.extra.get("tuning", {}).items():
                 name = f"g{r.graph_id}.{r.name}" if self.graphs > 1 else r.name
-                rows.append([name, key, entry.choice, format_timings(entry)])
+                chosen = entry.choice + (" (provisional)" if entry.provisional else "")
+                load = f" Load {entry.load[0]:.2g}." if entry.load else ""
+                rows.append([name, key, chosen, format_timings(entry), (entry.decision or "-") + load])
         if not rows:
             return ""
-        return tabulate(rows, headers=["site", "shape key", "chosen", "measured (median ms, peak MiB; * = chosen)"],
-                        tablefmt="simple", maxcolwidths=[None, 34, None, 70])
+        return tabulate(rows, headers=["site", "shape key", "chosen", "measured (median ms; * = chosen, its IQR; "
+                                       "others: ratio to it [interval])", "why"],
+                        tablefmt="simple", maxcolwidths=[None, 24, 14, 60, 48])
 
     def __str__(self) -> str:
         head = (f"attnopt: {self.rewritten} of {len(self.sites)} attention site(s) rewritten "

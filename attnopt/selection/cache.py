@@ -1,6 +1,6 @@
 """Tuning results on disk: which candidate was fastest for one site shape on one machine and setup.
 
-The selector times every legal candidate for a (site, shape key) once and keeps the result here,
+The selector times every legal candidate for a (site, shape key) and keeps the result here,
 so later runs and other processes skip the timing::
 
     >>> cache = TuningCache()                                  # $ATTNOPT_CACHE_DIR or the user cache dir
@@ -29,6 +29,11 @@ Design:
 * **An in-memory layer** in front of the disk: repeated lookups of a key in one process read the
   disk once. Misses are not remembered, so a result stored by another process is found later.
 * ``ATTNOPT_CACHE=0`` (or ``off``/``false``/``no``) turns the disk layer off.
+* **Provisional entries** (a choice made without separating the winner from a rival) are stored
+  with ``provisional=True``: the selector times their key again where it next meets it. Files of
+  format 1 (before the entries carried confidence statistics) are read as provisional.
+* :meth:`TuningCache.records` lists every entry in the directory and :meth:`TuningCache.remove`
+  forgets one (``attnopt cache list|show|clear|retune`` is built on them).
 
 Timings of candidates that raised or were rejected are ``inf``; in the file they are written as
 ``null`` so that every file is strict JSON.
@@ -59,10 +64,12 @@ import torch
 from .. import env as settings
 from ..env import cache_dir_override, disk_cache_enabled
 
-__all__ = ["TuningCache", "TuningEntry", "default_cache_dir", "environment"]
+__all__ = ["CacheRecord", "TuningCache", "TuningEntry", "default_cache_dir", "environment"]
 
-#: Version of the file layout (``{"format", "key", "entry"}``); files of another format are misses.
-FILE_FORMAT = 1
+#: Version of the file layout (``{"format", "key", "entry"}``); files of another format are misses, except
+#: format 1 (before confidence statistics), whose entries are read as provisional, so they are timed again.
+FILE_FORMAT = 2
+_PROVISIONAL_FORMATS = {1: "tuned by an older attnopt without confidence statistics; timed again on next use"}
 
 _CACHE_FILE = re.compile(r"[0-9a-f]{64}\.json")
 _TEMP_FILE = re.compile(r"\.[0-9a-f]{64}\.json\.[0-9a-f]+\.tmp")
@@ -164,6 +171,10 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class TuningEntry:
     """The result of tuning one key.
@@ -176,6 +187,17 @@ class TuningEntry:
         rejected: candidate name -> why it was not timed or not kept.
         created: when the tuning ran (ISO 8601, UTC).
         tuning_s: how long the tuning took, in seconds.
+        provisional: the choice was not separated from the runner-up with confidence (or was made by an
+            older attnopt, or was marked by ``attnopt cache retune``): it serves this process, and is timed
+            again by the next process or the next ``attnopt.tune``.
+        decision: why ``choice`` won, in one sentence (the runner-up and the ratio's interval).
+        rounds: timing rounds each candidate ran.
+        spread_ms: ``(q1, q3)``, the interquartile range of each candidate's times, in milliseconds.
+        ratios: ``(median, lo, hi)`` of each other timed candidate's per-round ratio to ``choice``
+            (above 1: slower than the choice), with its interval at ``confidence``.
+        pruned: candidate -> why it stopped being timed (clearly slower over several rounds).
+        confidence: the level of the intervals (0: unknown, e.g. an entry from an older attnopt).
+        load: the 1-minute load average before and after the timing (empty where the OS has none).
     """
 
     choice: str
@@ -184,23 +206,52 @@ class TuningEntry:
     rejected: dict[str, str] = dataclasses.field(default_factory=dict)
     created: str = dataclasses.field(default_factory=_now)
     tuning_s: float = 0.0
+    provisional: bool = False
+    decision: str = ""
+    rounds: dict[str, int] = dataclasses.field(default_factory=dict)
+    spread_ms: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    ratios: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    pruned: dict[str, str] = dataclasses.field(default_factory=dict)
+    confidence: float = 0.0
+    load: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.choice, str) or not self.choice:
             raise ValueError(f"choice must be a candidate name, got {self.choice!r}")
         for name, ms in self.timings_ms.items():
-            if not isinstance(ms, (int, float)) or isinstance(ms, bool) or math.isnan(ms) or ms < 0:
+            if not _number(ms) or math.isnan(ms) or ms < 0:
                 raise ValueError(f"timings_ms[{name!r}] must be a time in ms >= 0 or inf, got {ms!r}")
         for name, n in self.peak_bytes.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"peak_bytes[{name!r}] must be a byte count >= 0, got {n!r}")
-        for name, reason in self.rejected.items():
-            if not isinstance(reason, str):
-                raise ValueError(f"rejected[{name!r}] must be the reason as a string, got {reason!r}")
+        for field in ("rejected", "pruned"):
+            for name, reason in getattr(self, field).items():
+                if not isinstance(reason, str):
+                    raise ValueError(f"{field}[{name!r}] must be the reason as a string, got {reason!r}")
         if not isinstance(self.created, str):
             raise ValueError(f"created must be an ISO 8601 time string, got {self.created!r}")
-        if not isinstance(self.tuning_s, (int, float)) or not self.tuning_s >= 0:
+        if not _number(self.tuning_s) or not self.tuning_s >= 0:
             raise ValueError(f"tuning_s must be seconds >= 0, got {self.tuning_s!r}")
+        if not isinstance(self.provisional, bool) or not isinstance(self.decision, str):
+            raise ValueError(f"provisional must be a bool and decision a string, got {self.provisional!r} "
+                             f"and {self.decision!r}")
+        for name, n in self.rounds.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"rounds[{name!r}] must be a count >= 0, got {n!r}")
+        # JSON gives lists: hold tuples, so an entry read back equals the one stored
+        for field, size in (("spread_ms", 2), ("ratios", 3)):
+            values = {}
+            for name, v in getattr(self, field).items():
+                if (not isinstance(v, (list, tuple)) or len(v) != size
+                        or not all(_number(x) and math.isfinite(x) and x >= 0 for x in v)):
+                    raise ValueError(f"{field}[{name!r}] must be {size} finite numbers >= 0, got {v!r}")
+                values[name] = tuple(float(x) for x in v)
+            object.__setattr__(self, field, values)
+        if not _number(self.confidence) or not 0 <= self.confidence < 1:
+            raise ValueError(f"confidence must be a level in [0, 1), got {self.confidence!r}")
+        if not isinstance(self.load, (list, tuple)) or not all(_number(x) and x >= 0 for x in self.load):
+            raise ValueError(f"load must be load averages >= 0, got {self.load!r}")
+        object.__setattr__(self, "load", tuple(float(x) for x in self.load))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; ``inf`` timings become ``None``."""
@@ -217,7 +268,7 @@ class TuningEntry:
         if "choice" not in data or set(data) - names:
             raise ValueError(f"a tuning entry has the fields {sorted(names)} ('choice' required), got {sorted(data)}")
         fields = dict(data)
-        for name in ("timings_ms", "peak_bytes", "rejected"):
+        for name in ("timings_ms", "peak_bytes", "rejected", "rounds", "spread_ms", "ratios", "pruned"):
             if not isinstance(fields.get(name, {}), Mapping):
                 raise ValueError(f"{name} must be a JSON object, got {fields[name]!r}")
         fields["timings_ms"] = {k: (math.inf if v is None else v) for k, v in fields.get("timings_ms", {}).items()}
@@ -231,6 +282,20 @@ class TuningEntry:
     def from_json(cls, text: str) -> TuningEntry:
         """Inverse of :meth:`to_json`."""
         return cls.from_dict(json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRecord:
+    """One file of the cache: where it is, the full key it answers and its entry."""
+
+    path: Path
+    key: dict[str, Any]
+    entry: TuningEntry
+
+    @property
+    def id(self) -> str:
+        """The key's hash (the file name without ``.json``); a prefix of it names the entry on the command line."""
+        return self.path.stem
 
 
 class TuningCache:
@@ -293,6 +358,31 @@ class TuningCache:
             record = {"format": FILE_FORMAT, "key": json.loads(canonical), "entry": data}
             self._write(self.path_for(key), json.dumps(record, sort_keys=True, indent=1, allow_nan=False))
 
+    def records(self) -> list[CacheRecord]:
+        """Every readable entry in the directory, oldest first (unreadable, corrupt or foreign files are
+        skipped silently: a listing is not the place to warn about them)."""
+        if not self.directory.is_dir():
+            return []
+        out = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for path in self.directory.iterdir():
+                found = self._load(path) if _CACHE_FILE.fullmatch(path.name) else None
+                if found is not None:
+                    out.append(CacheRecord(path, *found))
+        out.sort(key=lambda r: (r.entry.created, r.path.name))
+        return out
+
+    def remove(self, key: Mapping[str, Any]) -> bool:
+        """Forget ``key``'s entry (memory and file); whether a file was removed."""
+        with self._lock:
+            self._memory.pop(_canonical(key), None)
+        try:
+            self.path_for(key).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
     def clear(self) -> None:
         """Forget every entry: the in-memory layer and this cache's files in the directory."""
         with self._lock:
@@ -307,24 +397,36 @@ class TuningCache:
                     pass
 
     def _read(self, path: Path, canonical: str) -> TuningEntry | None:
+        found = self._load(path)
+        if found is None or _canonical(found[0]) != canonical:
+            return None  # nothing there, or another key under this name
+        return found[1]
+
+    def _load(self, path: Path) -> tuple[dict[str, Any], TuningEntry] | None:
+        """The key and entry in ``path``; None for a missing, foreign, unreadable or corrupt file (the
+        last two with a warning)."""
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as e:
             warnings.warn(f"attnopt: ignoring the unreadable tuning cache file {path} ({e}); "
-                          "it is tuned again and overwritten", stacklevel=3)
+                          "it is tuned again and overwritten", stacklevel=4)
             return None
         try:
             record = json.loads(text)
-            if not isinstance(record, dict) or record.get("format") != FILE_FORMAT:
+            fmt = record.get("format") if isinstance(record, dict) else None
+            if fmt != FILE_FORMAT and fmt not in _PROVISIONAL_FORMATS:
                 return None  # another layout: a foreign file or another attnopt version
-            if _canonical(record["key"]) != canonical:
-                return None  # another key under this name
-            return TuningEntry.from_dict(record["entry"])
+            if not isinstance(record["key"], dict):
+                raise TypeError(f"the key is a {type(record['key']).__name__}, not a JSON object")
+            entry = TuningEntry.from_dict(record["entry"])
+            if fmt != FILE_FORMAT:
+                entry = dataclasses.replace(entry, provisional=True, decision=_PROVISIONAL_FORMATS[fmt])
+            return record["key"], entry
         except (ValueError, TypeError, KeyError) as e:
             warnings.warn(f"attnopt: ignoring the corrupt tuning cache file {path} ({type(e).__name__}: {e}); "
-                          "it is tuned again and overwritten", stacklevel=3)
+                          "it is tuned again and overwritten", stacklevel=4)
             return None
 
     def _write(self, path: Path, text: str) -> None:

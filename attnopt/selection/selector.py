@@ -23,20 +23,32 @@ Tuning one key (:meth:`Selector.tune`):
    rows whose reference is NaN (every key masked) are skipped, since the site restores them.
    A candidate that raises or differs scores infinity and is recorded as rejected.
 4. *Time*: one warm-up call each, then rounds that call every surviving candidate once in
-   turn (``a b c a b c``), synchronising the device around each call (CUDA events on GPU);
-   the median per candidate. After the first round a candidate more than ``prune`` times
-   slower than the best is not timed again (it cannot be within 5% of it).
+   turn (``a b c``, then ``b c a``, ...), synchronising the device around each call (CUDA events
+   on GPU), until the decision is made with confidence (:mod:`attnopt.selection.stats`): after
+   each round from the eighth on, every candidate is compared with the leader (the lowest
+   median) by its per-round paired ratios to it and their sign-test interval at ``confidence``
+   (99% per look: the rule looks after every round and at several rivals, so each look is
+   stricter than the 95% one wants overall). A candidate whose interval lies above 1 is *pruned*
+   (clearly slower over several rounds, never on one); one whose interval lies within
+   ``1 +- tie`` (3%) is a *tie* (either serves). The rounds stop when every rival of the leader
+   is pruned or tied, or when the timed calls have used ``budget_s`` (2 s) or ``max_rounds``
+   (200) rounds ran; then the best median is chosen but marked *provisional*: it serves this
+   process and is timed again by the next process or the next :func:`attnopt.tune`. Each entry
+   keeps its noise: per-candidate median, interquartile range and rounds, each rival's ratio to
+   the choice with its interval, and the load average.
 5. *Memory*: the peak tensor memory of one call (:func:`attnopt.selection.measure.peak_memory`) of every
    candidate still in the race after pruning (of all of them when a ``memory_budget`` rules out
    every one of those); candidates above the budget are rejected; if none fits, the one with
    the lowest peak is kept and a warning says so.
-6. *Keep* the fastest; store every timing in the :class:`~attnopt.selection.cache.TuningCache`
-   (on disk, keyed by attnopt/torch version, device and candidate set) so later processes
-   skip tuning; under ``torch.distributed`` rank 0 tunes and broadcasts its choice
+6. *Keep* the fastest (provisional unless separated from every rival); store every timing in the
+   :class:`~attnopt.selection.cache.TuningCache` (on disk, keyed by attnopt/torch version, device,
+   threads and candidate set) so later processes skip tuning (a provisional entry is stored as
+   such, and timed again where it is next met); under ``torch.distributed`` rank 0 tunes and broadcasts its choice
    (:func:`attnopt.selection.distributed.agree`) so every rank runs the same kernels.
 
 Timer and memory meter are injectable (``Selector(timer=..., memory=...)``) so the policy is
-tested deterministically.
+tested deterministically; the budget counts the seconds the timer reports, so a fake timer's
+seconds count as real ones.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import statistics
+import os
 import threading
 import time
 import warnings
@@ -60,6 +72,7 @@ from ..env import parse_bytes
 from ..kernels.reference import reference_attention, tolerance
 from ..kernels.registry import candidate_names, get_candidate
 from ..spec import AttentionSpec
+from . import stats
 from .cache import TuningCache, TuningEntry
 from .distributed import agree
 
@@ -161,9 +174,17 @@ class Selector:
 
     def __init__(self, *, timer: Timer | None = None, memory: MemoryMeter | None = None,
                  memory_budget: int | str | None = None, cache: TuningCache | None | bool = True,
-                 candidates: list[str] | None = None, repeats: int = 7, prune: float = 2.0):
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
+                 candidates: list[str] | None = None, confidence: float = 0.99, tie: float = 0.03,
+                 budget_s: float = 2.0, max_rounds: int = 200):
+        if not 0.5 < confidence < 1:
+            raise ValueError(f"confidence must be a level between 0.5 and 1 (e.g. 0.99), got {confidence!r}")
+        if not 0 <= tie < 0.5:
+            raise ValueError(f"tie must be a relative margin in [0, 0.5) (e.g. 0.03 for 3%), got {tie!r}")
+        if not budget_s > 0:
+            raise ValueError(f"budget_s must be seconds > 0 of timed calls per key, got {budget_s!r}")
+        if max_rounds < stats.min_pairs(confidence):
+            raise ValueError(f"max_rounds={max_rounds} is too few to decide anything at confidence {confidence}: "
+                             f"give at least {stats.min_pairs(confidence)}")
         if candidates is not None:
             for name in candidates:
                 get_candidate(name)  # a clear error now, not inside a forward
@@ -172,12 +193,26 @@ class Selector:
         self.memory_budget = parse_bytes(memory_budget)
         self.cache = TuningCache() if cache is True else (cache or None)
         self.only = list(candidates) if candidates is not None else None
-        self.repeats = repeats
-        self.prune = prune
+        self.confidence = confidence
+        self.tie = tie
+        self.budget_s = budget_s
+        self.max_rounds = max_rounds
         self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
-        self.collective = False  # set by attnopt.tune(): only rank 0 tunes, then share()
+        self._collective = False
         self._sites: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
+
+    @property
+    def collective(self) -> bool:
+        """True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`. Entering it re-times
+        the provisional choices (:meth:`retime_provisional`): a new ``tune`` is the moment to decide them."""
+        return self._collective
+
+    @collective.setter
+    def collective(self, on: bool) -> None:
+        if on and not self._collective:
+            self.retime_provisional()
+        self._collective = on
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Selector:
         return self  # one selector per optimized model: copies of the model share its choices
@@ -225,7 +260,7 @@ class Selector:
                 return entry
             names, refused = self.legal(spec, call.q.device)
             entry = self._agreed(names, lambda: self._cached_or_tuned(spec, key, call, names, refused))
-            if "*" not in entry.rejected:  # provisional entries are not kept
+            if "*" not in entry.rejected:  # a rank's stand-in until share() is not kept
                 self.entries[(spec, key)] = entry
             return entry
 
@@ -236,8 +271,9 @@ class Selector:
         rank = _rank() if self.collective else None
         if not rank:
             return compute()
-        return TuningEntry(choice=next((n for n in names if n != "math"), "math"),
-                           rejected={"*": f"provisional on rank {rank}: rank 0 tunes and shares its choice"})
+        why = f"provisional on rank {rank}: rank 0 tunes and shares its choice"
+        return TuningEntry(choice=next((n for n in names if n != "math"), "math"), rejected={"*": why},
+                           provisional=True, decision=why)
 
     def share(self) -> None:
         """Every rank takes rank 0's choices (one broadcast; all ranks must call it, as ``tune`` does).
@@ -253,6 +289,19 @@ class Selector:
         for site in list(self._sites):
             site.forget_choices()
 
+    def retime_provisional(self) -> int:
+        """Forget this process's provisional choices, so their keys are timed again on their next call;
+        how many were forgotten. (Sites that ran one ask again; final choices are served from memory.)"""
+        with self._lock:
+            stale = [k for k, e in self.entries.items() if e.provisional]
+            for k in stale:
+                del self.entries[k]
+        if stale:
+            log.info("re-timing %d provisional choice(s) on their next call", len(stale))
+            for site in list(self._sites):
+                site.forget_choices()
+        return len(stale)
+
     def register(self, site: Any) -> None:
         """Remember ``site`` (weakly) so :meth:`share` can make it choose again."""
         self._sites.add(site)
@@ -264,7 +313,10 @@ class Selector:
         cache_key = self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget},
                                    names, call.q.device)
         entry = self.cache.lookup(cache_key)
-        if entry is not None and entry.choice in names:
+        if entry is not None and entry.provisional:
+            log.info("timing %s again: its cached choice %s is provisional (%s)", key.describe(), entry.choice,
+                     entry.decision)
+        elif entry is not None and entry.choice in names:
             # A cached choice is checked again on this call's inputs (one run) before it is trusted.
             with torch.random.fork_rng(devices=[call.q.device] if call.q.device.type == "cuda" else []):
                 runs = _Runs(call, spec)
@@ -317,20 +369,12 @@ class Selector:
             except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
                 rejected[name] = _raised(e)
                 live.remove(name)
-        samples: dict[str, list[float]] = {name: [] for name in live}
-        for round_ in range(self.repeats):
-            for name in list(live):
-                try:
-                    samples[name].append(timer(name, runs.runner(name)))
-                except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
-                    rejected[name] = _raised(e)
-                    live.remove(name)
-                    del samples[name]
-            if round_ == 0 and len(live) > 1:
-                best = min(samples[n][0] for n in live)
-                live = [n for n in live if samples[n][0] <= self.prune * best]
-        for name, s in samples.items():
-            timings[name] = statistics.median(s) * 1e3
+        load_before = _load()
+        samples, pruned = self._race(live, runs, timer, rejected)
+        live = [n for n in live if n in samples and n not in pruned]
+        summary = {name: stats.quartiles(s) for name, s in samples.items()}
+        for name, (_, median, _) in summary.items():
+            timings[name] = median * 1e3
 
         def measure(names_: list[str]) -> None:
             for name in names_:
@@ -371,13 +415,99 @@ class Selector:
         if not ok:
             choice = "math"
             rejected.setdefault("math", "no candidate passed; the reference computation runs")
+            provisional, decision = False, "no candidate passed its check; the reference computation runs"
         else:
             choice = min(ok, key=lambda n: timings[n])
+            rivals = [n for n in samples if math.isfinite(timings[n]) and n not in rejected]  # pruned ones too
+            provisional, decision = self._verdict(choice, rivals, samples, pruned, budget is not None)
+        ratios = {}
+        for name in samples:
+            if name != choice and choice in samples:
+                c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
+                if math.isfinite(c.hi):  # an interval exists (enough paired rounds)
+                    ratios[name] = (c.ratio, c.lo, c.hi)
         entry = TuningEntry(choice=choice, timings_ms=timings, peak_bytes=peaks, rejected=rejected,
                             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            tuning_s=time.perf_counter() - start)
+                            tuning_s=time.perf_counter() - start, provisional=provisional, decision=decision,
+                            rounds={n: len(s) for n, s in samples.items()},
+                            spread_ms={n: (q[0] * 1e3, q[2] * 1e3) for n, q in summary.items()},
+                            ratios=ratios, pruned=pruned, confidence=self.confidence,
+                            load=tuple(x for x in (load_before, _load()) if x is not None))
         log.info("tuned %s: %s (%s)", key.describe(), choice, format_timings(entry))
         return entry
+
+    def _race(self, names: list[str], runs: _Runs, timer: Timer,
+              rejected: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, str]]:
+        """Time ``names`` in rotating rounds until the leader is separated from (or tied with) every rival.
+
+        Returns the seconds per round of each candidate that could be timed (a pruned one's list
+        stops at its pruning) and why each pruned candidate was dropped. Candidates that raise are
+        added to ``rejected``.
+        """
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        pruned: dict[str, str] = {}
+        need = stats.min_pairs(self.confidence)
+        spent = 0.0
+        for round_ in range(self.max_rounds):
+            racing = [n for n in samples if n not in pruned]
+            turn = round_ % len(racing) if racing else 0
+            for name in racing[turn:] + racing[:turn]:  # rotate: no candidate always runs after the same one
+                try:
+                    seconds = float(timer(name, runs.runner(name)))
+                except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
+                    rejected[name] = _raised(e)
+                    del samples[name]
+                    continue
+                samples[name].append(seconds)
+                spent += seconds
+            racing = [n for n in samples if n not in pruned]
+            if round_ + 1 < need:
+                continue  # never decide on fewer rounds than can show anything (8 at 99%)
+            if len(racing) <= 1:
+                break
+            leader = min(racing, key=lambda n: stats.quartiles(samples[n])[1])
+            settled = True
+            for name in racing:
+                if name == leader:
+                    continue
+                c = stats.compare(samples[name], samples[leader], confidence=self.confidence, tie=self.tie)
+                if c.verdict == "slower":
+                    pruned[name] = f"slower than {leader} by {c.describe()} over {c.n} rounds; not timed further"
+                elif c.verdict != "tie":
+                    settled = False
+            if settled or spent >= self.budget_s:
+                break
+        return samples, pruned
+
+    def _verdict(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], pruned: Mapping[str, str],
+                 budgeted: bool) -> tuple[bool, str]:
+        """Whether ``choice`` is provisional, and the sentence that says why it won."""
+        level = f"{self.confidence:.0%}"
+        prefix = "fastest within the memory budget: " if budgeted else ""
+        rivals = sorted((n for n in rivals if n != choice), key=lambda n: stats.quartiles(samples[n])[1])
+        if not rivals:
+            return False, prefix + ("the only candidate left" if budgeted else "the only candidate that passed")
+        for name in rivals:
+            c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
+            if c.verdict not in ("slower", "tie") and name not in pruned:
+                return True, (f"{prefix}provisional: not separated from {name} ({name}/{choice} {c.describe()} at "
+                              f"{level} over {c.n} rounds, within the budget of {self.budget_s:g} s of timed calls); "
+                              "timed again by the next process or attnopt.tune")
+        name = rivals[0]
+        c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
+        if c.verdict == "tie":
+            return False, (f"{prefix}tied with {name} within {self.tie:.0%} ({name}/{choice} {c.describe()} at {level} "
+                           f"over {c.n} rounds); either serves")
+        return False, (f"{prefix}faster than the runner-up {name}: {name}/{choice} {c.describe()} at {level} "
+                       f"over {c.n} rounds")
+
+
+def _load() -> float | None:
+    """The 1-minute load average, where the OS has one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _raised(e: BaseException) -> str:
@@ -395,13 +525,33 @@ def _rank() -> int | None:
 
 
 def format_timings(entry: TuningEntry, limit: int = 8) -> str:
-    """``sdpa_flash 1.21 ms*, sdpa 1.25 ms, math 9.8 ms, tiled64 rejected (...)`` for explain()."""
+    """The measurements of one entry for explain(), fastest first::
+
+        sdpa_flash 1.21 ms* (IQR 1.18-1.26, 14 rounds), sdpa 1.43 ms (x1.18 [1.1, 1.25]),
+        math 9.8 ms (pruned after 6 rounds: slower than sdpa_flash by x8.1 [7.7, 8.6]), tiled64: raised ...
+
+    ``*`` marks the choice; ``xR [lo, hi]`` is a rival's per-round ratio to the choice with its
+    interval; peak memory follows in MiB where it was measured.
+    """
     parts = []
     for name, ms in sorted(entry.timings_ms.items(), key=lambda kv: kv[1])[:limit]:
-        if math.isfinite(ms):
-            mem = entry.peak_bytes.get(name)
-            parts.append(f"{name} {ms:.3g} ms" + (f" {mem / 2**20:.3g} MiB" if mem is not None else "")
-                         + ("*" if name == entry.choice else ""))
+        if not math.isfinite(ms):
+            continue
+        mem = entry.peak_bytes.get(name)
+        notes = []
+        if name == entry.choice and name in entry.spread_ms:
+            q1, q3 = entry.spread_ms[name]
+            notes.append(f"IQR {q1:.3g}-{q3:.3g}, {entry.rounds.get(name, 0)} rounds")
+        if name in entry.pruned:
+            why = entry.pruned[name].split(";")[0]
+            notes.append(f"pruned after {entry.rounds.get(name, 0)} rounds: {why}")
+        elif name in entry.ratios:
+            r, lo, hi = entry.ratios[name]
+            notes.append(f"x{r:.3g} [{lo:.3g}, {hi:.3g}]")
+        if mem is not None:
+            notes.append(f"{mem / 2**20:.3g} MiB")
+        parts.append(f"{name} {ms:.3g} ms" + ("*" if name == entry.choice else "")
+                     + (f" ({'; '.join(notes)})" if notes else ""))
     for name, why in entry.rejected.items():
         if name in entry.timings_ms:
             parts.append(f"{name}: {why}")

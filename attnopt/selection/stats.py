@@ -73,8 +73,8 @@ class Comparison:
         lo, hi: the interval on that median at the confidence asked for (0 and inf below
             :func:`min_pairs` rounds).
         n: paired rounds used.
-        verdict: ``"slower"`` (``lo > 1``), ``"faster"`` (``hi < 1``), ``"tie"`` (the interval lies
-            within ``1 +- tie``) or ``"unresolved"``.
+        verdict: ``"tie"`` (the interval lies within ``1 +- tie``, so either serves), else
+            ``"slower"`` (``lo > 1``), ``"faster"`` (``hi < 1``) or ``"unresolved"``.
     """
 
     ratio: float
@@ -98,12 +98,12 @@ def compare(x: Sequence[float], y: Sequence[float], *, confidence: float, tie: f
     k = _rank(n, confidence)
     lo, hi = (d[k - 1], d[n - k]) if k else (-math.inf, math.inf)
     band = math.log1p(tie)
-    if lo > 0:
+    if -band <= lo and hi <= band:
+        verdict = "tie"  # equivalent for the purpose, even where one is consistently a little faster
+    elif lo > 0:
         verdict = "slower"
     elif hi < 0:
         verdict = "faster"
-    elif -band <= lo and hi <= band:
-        verdict = "tie"
     else:
         verdict = "unresolved"
     return Comparison(math.exp(mid), math.exp(lo), math.exp(hi), n, verdict)
