@@ -52,6 +52,7 @@ dtype's tolerance, like every attnopt rewrite. Dropout must be inactive (``model
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -67,7 +68,31 @@ from .runtime.kv_cache import KVCacheAttention, MaskCheck
 aten = torch.ops.aten
 
 
-# ----------------------------------------------------------------------------- building
+#: The cached model ``generate(model, ...)`` built for each module, per ``(max_len, variant, compile)``:
+#: a second call reuses it (capture and proof take seconds). Weakly keyed: the cache dies with the module.
+_REUSED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[Any, CachedLM]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _code(model: nn.Module) -> tuple[Any, ...]:
+    """What the capture ran: each submodule's class and forward function (a patched ``forward`` counts)."""
+    out = []
+    for m in model.modules():
+        own = m.__dict__.get("forward")
+        out.append((type(m), getattr(type(m), "forward", None), getattr(own, "__func__", own)))
+    return tuple(out)
+
+
+def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool) -> tuple[CachedLM, bool]:
+    """The cached model of an earlier ``generate(model, ...)`` with these options if its code is the same, or
+    a new one; and whether it was reused (then a :class:`ModelChangedError` at prefill means: build again)."""
+    key, code = (max_len, variant, compile), _code(model)
+    built = _REUSED.setdefault(model, {})
+    if key in built and built[key][0] == code:
+        return built[key][1], True
+    lm = cached(model, max_len=max_len, variant=variant, compile=compile)
+    built[key] = (code, lm)
+    return lm, False
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -133,7 +158,11 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
     Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
     ``temperature``, keep the ``top_k`` largest, sample with ``generator``). ``model`` is a causal LM
     (see :func:`cached`) or a :class:`CachedLM` built before (capture takes seconds; reuse it).
-    ``variant`` and ``compile`` are passed to :func:`cached` when ``model`` is a module.
+    ``variant`` and ``compile`` are passed to :func:`cached` when ``model`` is a module. The cached model
+    is built once per module and options and reused by later calls (it holds the module weakly); it is
+    built again when a submodule's class or ``forward`` changed, or when the model changed in a way
+    :class:`ModelChangedError` describes (a tensor replaced or converted, a proven mask buffer
+    rewritten, a plain attribute, ``training`` flag, child or hook changed).
 
     Raises:
         PositionError: the model cannot be cached exactly (the message names the op and line).
@@ -147,19 +176,30 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
         if max_len is not None and max_len != model.max_len:
             raise ValueError(f"max_len={max_len} differs from the CachedLM's max_len={model.max_len}; "
                              "build another with attnopt.generation.cached(model, max_len=...)")
-        lm = model
+        lm, reused = model, False
     else:
-        lm = cached(model, max_len=max_len, variant=variant, compile=compile)
+        lm, reused = _reused(model, max_len, variant, compile)
     _check_total(idx, max_new_tokens, lm.max_len)
     if max_new_tokens == 0:
         return idx
     out = [idx]
-    logits = lm.prefill(idx)
-    for i in range(max_new_tokens):
-        nxt = _next_token(logits[:, -1, :], temperature, top_k, do_sample, generator)
-        out.append(nxt)
-        if i + 1 < max_new_tokens:
-            logits = lm.step(nxt)
+    try:
+        try:
+            logits = lm.prefill(idx)
+        except ModelChangedError:
+            if not reused:
+                raise
+            _REUSED[model].pop((max_len, variant, compile), None)  # the model changed since: capture it again
+            lm, _ = _reused(model, max_len, variant, compile)
+            logits = lm.prefill(idx)
+        for i in range(max_new_tokens):
+            nxt = _next_token(logits[:, -1, :], temperature, top_k, do_sample, generator)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits = lm.step(nxt)
+    finally:
+        if not isinstance(model, CachedLM):
+            lm.reset()  # a kept cached model holds no K/V memory between calls
     return torch.cat(out, dim=1)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,15 @@ class ModelChangedError(RuntimeError):
     ``attnopt.generation.cached(model)`` (which refuses a model that is no longer causal). An attribute set
     back to its value at capture (``model.eval()`` again) makes the cached model serve again.
     """
+
+
+def _held(ref: weakref.ref) -> nn.Module:
+    """The model behind a weak reference (a cached model must not keep its model alive), or why not."""
+    model = ref()
+    if model is None:
+        raise ModelChangedError("the model this cached model was built from was deleted; build one for the "
+                                "model you use now with attnopt.generation.cached(model)")
+    return model
 
 
 @dataclass
@@ -120,8 +130,12 @@ class _Attrs:
     """
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self._model = weakref.ref(model)
         self._keep(*self._take())
+
+    @property
+    def model(self) -> nn.Module:
+        return _held(self._model)
 
     def _keep(self, snapshot: dict[str, Any], same: list[Any], lists: list[Any], sizes: list[Any]) -> None:
         self.snapshot, self.lists = snapshot, lists
@@ -255,12 +269,16 @@ class Watch:
     """
 
     def __init__(self, model: nn.Module, pins: list[_Pin]):
-        self.model = model
+        self._model = weakref.ref(model)
         self.pins = pins
         self.valued = [p for p in pins if p.patterns or p.checks]
         self.links: tuple[list[Any], ...] = ([], [], [])
         self._link()
         self.attrs = _Attrs(model)
+
+    @property
+    def model(self) -> nn.Module:
+        return _held(self._model)
 
     def _link(self) -> None:
         seen: set[tuple[int, str]] = set()
