@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -131,47 +132,110 @@ def _check_total(idx: torch.Tensor, max_new_tokens: int, max_len: int | None) ->
                          f"more than max_len={max_len}; generate fewer tokens or shorten the prompt")
 
 
+#: ``stop(ids)``: ids ``(B, T)`` so far, the new token last; True (all) or a ``(B,)`` bool tensor (per sequence).
+StopFn = Callable[[torch.Tensor], Any]
+
+
+class _Stopping:
+    """Which sequences of a batch have finished: after an end token, or when ``stop`` says so.
+
+    A finished sequence keeps its last token (the end token itself) and gets ``pad_token_id`` from then
+    on; it still runs through the model with the others, so a batch stays one batch. Generation ends
+    when every sequence has finished.
+    """
+
+    def __init__(self, eos_token_id: int | Sequence[int] | None, stop: StopFn | None, pad_token_id: int | None,
+                 idx: torch.Tensor):
+        ends = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        if any(not isinstance(e, int) or isinstance(e, bool) or e < 0 for e in ends):
+            raise ValueError(f"eos_token_id must be a token id >= 0 or a list of them, got {eos_token_id!r}")
+        if stop is not None and not callable(stop):
+            raise TypeError(f"stop must be a callable (ids (B, T) -> bool or a (B,) bool tensor), got {stop!r}")
+        if pad_token_id is not None and (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool)
+                                         or pad_token_id < 0):
+            raise ValueError(f"pad_token_id must be a token id >= 0 or None, got {pad_token_id!r}")
+        self.active = bool(ends) or stop is not None
+        self.pad = pad_token_id if pad_token_id is not None else (ends[0] if ends else None)
+        if self.active and self.pad is None and idx.size(0) > 1:
+            raise ValueError("a batch that stops per sequence needs a token for the sequences that finished "
+                             "first: pass pad_token_id= (or eos_token_id=, which is used for it)")
+        self.ends = torch.tensor(ends, dtype=idx.dtype, device=idx.device) if ends else None
+        self.stop = stop
+        self.done = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
+
+    def after(self, nxt: torch.Tensor, seq: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``nxt`` ``(B, 1)`` with finished rows padded, and whether every row has now finished."""
+        if not self.active:
+            return nxt, False
+        if self.pad is not None:
+            nxt = torch.where(self.done, torch.full_like(nxt, self.pad), nxt)
+        newly = torch.zeros_like(self.done)
+        if self.ends is not None:
+            newly |= torch.isin(nxt, self.ends)
+        if self.stop is not None:
+            said = self.stop(torch.cat((seq, nxt), dim=1))
+            said = torch.as_tensor(said, dtype=torch.bool, device=nxt.device)
+            if said.dim() == 0:
+                said = said.expand(nxt.size(0))
+            if tuple(said.shape) not in ((nxt.size(0),), (nxt.size(0), 1)):
+                raise ValueError(f"stop must return a bool or a ({nxt.size(0)},) bool tensor, got shape "
+                                 f"{tuple(said.shape)}")
+            newly |= said.reshape(-1, 1)
+        self.done |= newly
+        return nxt, bool(self.done.all())
+
+
+def _decode(first: Callable[[torch.Tensor], torch.Tensor], step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+            idx: torch.Tensor, max_new_tokens: int, pick: Callable[[torch.Tensor], torch.Tensor],
+            stopping: _Stopping) -> Iterator[torch.Tensor]:
+    """The decoding loop every entry point shares: logits of the prompt, then pick, stop, feed back."""
+    logits, seq = first(idx), idx
+    for i in range(max_new_tokens):
+        nxt, finished = stopping.after(pick(logits[:, -1, :]), seq)
+        seq = torch.cat((seq, nxt), dim=1)
+        yield nxt
+        if finished or i + 1 == max_new_tokens:
+            return
+        logits = step(nxt, seq)
+
+
+def _picker(temperature: float, top_k: int | None, do_sample: bool,
+            generator: torch.Generator | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda logits: _next_token(logits, temperature, top_k, do_sample, generator)
+
+
 def generate_plain(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                    top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
-                   max_len: int | None = None) -> torch.Tensor:
-    """The full-recompute loop: run the whole sequence for every new token. Returns ``(B, T0 + max_new_tokens)``.
+                   max_len: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+                   stop: StopFn | None = None, pad_token_id: int | None = None) -> torch.Tensor:
+    """The full-recompute loop: run the whole sequence for every new token. Returns ``(B, T0 + N)``.
 
     The reference :func:`generate` is checked against; it picks tokens with the same ops in the same
-    order, so a generator seeded alike gives the same samples.
+    order, so a generator seeded alike gives the same samples, and it stops the same way.
     """
     check_tokens(idx, "idx")
     _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator)
     _check_total(idx, max_new_tokens, max_len)
+    stopping = _Stopping(eos_token_id, stop, pad_token_id, idx)
     with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = logits_of(model(idx))
-            nxt = _next_token(logits[:, -1, :], temperature, top_k, do_sample, generator)
-            idx = torch.cat((idx, nxt), dim=1)
-    return idx
+        new = list(_decode(lambda x: logits_of(model(x)), lambda _, seq: logits_of(model(seq)), idx,
+                           max_new_tokens, _picker(temperature, top_k, do_sample, generator), stopping))
+    return torch.cat([idx, *new], dim=1)
 
 
-def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
-             max_len: int | None = None, variant: str = "sdpa", compile: bool = False) -> torch.Tensor:
-    """Generate ``max_new_tokens`` tokens after ``idx`` ``(B, T0)`` with a KV cache; returns ``(B, T0 + N)``.
+def stream(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+           top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+           max_len: int | None = None, variant: str = "sdpa", compile: bool = False,
+           eos_token_id: int | Sequence[int] | None = None, stop: StopFn | None = None,
+           pad_token_id: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the new tokens ``(B, 1)`` of :func:`generate` one position at a time, as they are produced.
 
-    Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
-    ``temperature``, keep the ``top_k`` largest, sample with ``generator``). ``model`` is a causal LM
-    (see :func:`cached`) or a :class:`CachedLM` built before (capture takes seconds; reuse it).
-    ``variant`` and ``compile`` are passed to :func:`cached` when ``model`` is a module. The cached model
-    is built once per module and options and reused by later calls (it holds the module weakly); it is
-    built again when a submodule's class or ``forward`` changed, or when the model changed in a way
-    :class:`ModelChangedError` describes (a tensor replaced or converted, a proven mask buffer
-    rewritten, a plain attribute, ``training`` flag, child or hook changed).
-
-    Raises:
-        PositionError: the model cannot be cached exactly (the message names the op and line).
-        ModelChangedError: ``model`` is a :class:`CachedLM` whose model changed since it was built (see
-            :func:`cached`).
-        ValueError: bad arguments, or the prompt plus new tokens exceed ``max_len``.
+    ``torch.cat([idx, *stream(model, idx, n)], dim=1)`` equals ``generate(model, idx, n)``; the arguments
+    are :func:`generate`'s. Closing the iterator early (``break``) frees the cache like a finished run.
     """
     check_tokens(idx, "idx")
     _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator)
+    stopping = _Stopping(eos_token_id, stop, pad_token_id, idx)
     if isinstance(model, CachedLM):
         if max_len is not None and max_len != model.max_len:
             raise ValueError(f"max_len={max_len} differs from the CachedLM's max_len={model.max_len}; "
@@ -181,27 +245,60 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
         lm, reused = _reused(model, max_len, variant, compile)
     _check_total(idx, max_new_tokens, lm.max_len)
     if max_new_tokens == 0:
-        return idx
-    out = [idx]
-    try:
+        return
+
+    def first(x: torch.Tensor) -> torch.Tensor:
+        nonlocal lm
         try:
-            logits = lm.prefill(idx)
+            return lm.prefill(x)
         except ModelChangedError:
             if not reused:
                 raise
             _REUSED[model].pop((max_len, variant, compile), None)  # the model changed since: capture it again
             lm, _ = _reused(model, max_len, variant, compile)
-            logits = lm.prefill(idx)
-        for i in range(max_new_tokens):
-            nxt = _next_token(logits[:, -1, :], temperature, top_k, do_sample, generator)
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                logits = lm.step(nxt)
+            return lm.prefill(x)
+
+    try:
+        yield from _decode(first, lambda nxt, _: lm.step(nxt), idx, max_new_tokens,
+                           _picker(temperature, top_k, do_sample, generator), stopping)
     finally:
         if not isinstance(model, CachedLM):
             lm.reset()  # a kept cached model holds no K/V memory between calls
-    return torch.cat(out, dim=1)
 
 
-__all__ = ["CachedLM", "KVCacheAttention", "MaskCheck", "ModelChangedError", "PositionError", "cached", "generate",
-           "generate_plain"]
+def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+             max_len: int | None = None, variant: str = "sdpa", compile: bool = False,
+             eos_token_id: int | Sequence[int] | None = None, stop: StopFn | None = None,
+             pad_token_id: int | None = None) -> torch.Tensor:
+    """Generate up to ``max_new_tokens`` tokens after ``idx`` ``(B, T0)`` with a KV cache; returns ``(B, T0 + N)``.
+
+    Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
+    ``temperature``, keep the ``top_k`` largest, sample with ``generator``). ``model`` is a causal LM
+    (see :func:`cached`) or a :class:`CachedLM` built before.
+    ``variant`` and ``compile`` are passed to :func:`cached` when ``model`` is a module. The cached model
+    is built once per module and options and reused by later calls (it holds the module weakly); it is
+    built again when a submodule's class or ``forward`` changed, or when the model changed in a way
+    :class:`ModelChangedError` describes (a tensor replaced or converted, a proven mask buffer
+    rewritten, a plain attribute, ``training`` flag, child or hook changed).
+
+    Stopping: a sequence finishes after it produced one of ``eos_token_id`` (an id or a list), or when
+    ``stop(ids)`` (ids ``(B, T)`` so far, the new token last) returns True, or True in its row of a
+    ``(B,)`` bool tensor. A finished sequence is filled with ``pad_token_id`` (default: the first end
+    token) while the others go on; generation ends when all have finished, so ``N`` may be smaller
+    than ``max_new_tokens``. :func:`stream` yields the tokens as they are produced.
+
+    Raises:
+        PositionError: the model cannot be cached exactly (the message names the op and line).
+        ModelChangedError: ``model`` is a :class:`CachedLM` whose model changed since it was built (see
+            :func:`cached`).
+        ValueError: bad arguments, or the prompt plus new tokens exceed ``max_len``.
+    """
+    new = list(stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, do_sample=do_sample,
+                      generator=generator, max_len=max_len, variant=variant, compile=compile,
+                      eos_token_id=eos_token_id, stop=stop, pad_token_id=pad_token_id))
+    return torch.cat([idx, *new], dim=1)
+
+
+__all__ = ["CachedLM", "KVCacheAttention", "MaskCheck", "ModelChangedError", "PositionError", "StopFn", "cached",
+           "generate", "generate_plain", "stream"]
