@@ -66,7 +66,7 @@ class Report:
             for key, entry in r.extra.get("tuning", {}).items():
                 name = f"g{r.graph_id}.{r.name}" if self.graphs > 1 else r.name
                 chosen = entry.choice + (" (provisional)" if entry.provisional else "")
-                load = f" Load {entry.load[0]:.2g}." if entry.load else ""
+                load = f" (load {entry.load[0]:.2g})" if entry.load else ""
                 rows.append([name, key, chosen, format_timings(entry), (entry.decision or "-") + load])
         if not rows:
             return ""

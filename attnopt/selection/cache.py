@@ -383,18 +383,21 @@ class TuningCache:
             return False
         return True
 
-    def clear(self) -> None:
-        """Forget every entry: the in-memory layer and this cache's files in the directory."""
+    def clear(self) -> int:
+        """Forget every entry: the in-memory layer and this cache's files in the directory (how many)."""
         with self._lock:
             self._memory.clear()
         if not self.disk or not self.directory.is_dir():
-            return
+            return 0
+        removed = 0
         for path in self.directory.iterdir():
             if _CACHE_FILE.fullmatch(path.name) or _TEMP_FILE.fullmatch(path.name):
                 try:
                     path.unlink()
+                    removed += 1
                 except FileNotFoundError:  # removed by another process meanwhile
                     pass
+        return removed
 
     def _read(self, path: Path, canonical: str) -> TuningEntry | None:
         found = self._load(path)
