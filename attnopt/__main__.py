@@ -18,6 +18,7 @@ _COMMANDS = {
     "demo": ("attnopt.demo", "optimize the built-in NanoGPT and show measured speed, memory and explain()"),
     "profile": ("attnopt.profiling.cli", "time, memory and attention share of a model before and after attnopt, "
                 "over batch sizes and sequence lengths"),
+    "cache": ("attnopt.cache_cli", "list, show, clear or retune the tuning cache (what each shape key chose, and why)"),
 }
 
 

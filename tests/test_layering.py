@@ -35,7 +35,7 @@ LAYERS = {
     "attnopt.config": 5,
     "attnopt.pipeline": 6,
     "attnopt.api": 7, "attnopt.generation": 7,
-    "attnopt.profiling": 8, "attnopt.demo": 8,
+    "attnopt.profiling": 8, "attnopt.demo": 8, "attnopt.cache_cli": 8,
     "attnopt": 9, "attnopt.__main__": 9,
 }
 
