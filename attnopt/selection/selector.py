@@ -31,8 +31,9 @@ Tuning one key (:meth:`Selector.tune`):
    stricter than the 95% one wants overall). A candidate whose interval lies above 1 is *pruned*
    (clearly slower over several rounds, never on one); one whose interval lies within
    ``1 +- tie`` (3%) is a *tie* (either serves). The rounds stop when every rival of the leader
-   is pruned or tied, or when the timed calls have used ``budget_s`` (2 s) or ``max_rounds``
-   (200) rounds ran; then the best median is chosen but marked *provisional*: it serves this
+   is pruned or tied, or when the timed calls after the first eight rounds (which always run:
+   slow candidates are pruned there) have used ``budget_s`` (2 s), or after ``max_rounds``
+   (200); then the best median is chosen but marked *provisional*: it serves this
    process and is timed again by the next process or the next :func:`attnopt.tune`. Each entry
    keeps its noise: per-candidate median, interquartile range and rounds, each rival's ratio to
    the choice with its interval, and the load average.
@@ -181,7 +182,8 @@ class Selector:
         if not 0 <= tie < 0.5:
             raise ValueError(f"tie must be a relative margin in [0, 0.5) (e.g. 0.03 for 3%), got {tie!r}")
         if not budget_s > 0:
-            raise ValueError(f"budget_s must be seconds > 0 of timed calls per key, got {budget_s!r}")
+            raise ValueError(f"budget_s must be seconds > 0 of timed calls per key (after the first rounds), "
+                             f"got {budget_s!r}")
         if max_rounds < stats.min_pairs(confidence):
             raise ValueError(f"max_rounds={max_rounds} is too few to decide anything at confidence {confidence}: "
                              f"give at least {stats.min_pairs(confidence)}")
@@ -459,7 +461,8 @@ class Selector:
                     del samples[name]
                     continue
                 samples[name].append(seconds)
-                spent += seconds
+                if round_ >= need:  # the first rounds always run: the budget is for the rounds after them
+                    spent += seconds
             racing = [n for n in samples if n not in pruned]
             if round_ + 1 < need:
                 continue  # never decide on fewer rounds than can show anything (8 at 99%)
@@ -491,7 +494,7 @@ class Selector:
             c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
             if c.verdict not in ("slower", "tie") and name not in pruned:
                 return True, (f"{prefix}provisional: not separated from {name} ({name}/{choice} {c.describe()} at "
-                              f"{level} over {c.n} rounds, within the budget of {self.budget_s:g} s of timed calls); "
+                              f"{level} over {c.n} rounds, within a budget of {self.budget_s:g} s of timed calls); "
                               "timed again by the next process or attnopt.tune")
         name = rivals[0]
         c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
