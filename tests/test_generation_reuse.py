@@ -119,3 +119,28 @@ def test_the_reuse_does_not_keep_the_module_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_memory_budget_sizes_and_limits_the_cache():
+    model = _nanogpt()
+    lm = cached(model, max_len=16)
+    per_token = lm.bytes_per_token
+    assert per_token == 2 * 1 * 16 * 4  # K and V, 1 layer, 2 heads x 8 dims, fp32
+    assert lm.bytes_per_sequence == 16 * per_token
+    assert lm.sequences_that_fit(10 * 16 * per_token) == 10
+    assert lm.sequences_that_fit(10 * 16 * per_token, length=8) == 20
+    assert lm.sequences_that_fit() is None  # no budget given
+
+    budget = 3 * 16 * per_token
+    lm = cached(model, max_len=16, memory_budget=budget)
+    assert "3 sequence(s) of max_len=16 fit" in lm.describe()
+    lm.prefill(_idx(batch=3))  # fits
+    assert lm.cache_bytes == budget
+    with pytest.raises(ValueError, match=r"batch of at most 3.*max_len <= 12"):
+        lm.prefill(_idx(batch=4))
+    with pytest.raises(ValueError, match=r"max_len <= 3 or a larger memory_budget"):
+        cached(model, max_len=16, memory_budget=3 * per_token)
+    with pytest.raises(ValueError, match="memory_budget"):
+        cached(model, memory_budget="lots")
+    lm = cached(model, max_len=16, memory_budget=f"{budget / 2**10:.1f}KiB")
+    assert lm.memory_budget == budget

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..env import AUTO
+from ..env import AUTO, parse_bytes
 from ..kernels.registry import get_candidate
 from ..passes.find_sites import Match
 from ..passes.kv_capture import (
@@ -32,7 +32,8 @@ from ..selection.selector import Selector
 from .steps import find_in, matches, new_selector
 
 
-def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False) -> CachedLM:
+def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False,
+           memory_budget: int | str | None = None) -> CachedLM:
     """Capture ``model`` (a causal LM, ``forward(idx) -> logits (B, T, vocab)``) and build its cached version.
 
     Args:
@@ -48,6 +49,10 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         compile: hand the cached graph to Inductor (``torch.compile(..., dynamic=True)``): fused
             elementwise ops, fewer dispatches per step. Compiling takes tens of seconds on the first
             prefill and step; not with ``variant="auto"`` (the choice must be made before tracing).
+        memory_budget: bytes (or ``"512MiB"``, ``"2GB"``) the K/V caches may take. The caches hold
+            ``max_len`` positions per sequence; a prefill whose batch would exceed the budget raises
+            ``ValueError`` saying the largest batch and ``max_len`` that fit, and so does this call when one
+            sequence does not fit. ``describe()`` and ``sequences_that_fit()`` report it.
 
     Masks that only a run-time check can show causal (see :class:`MaskCheck`) are checked at each new
     ``(batch, length)`` by ``prefill``/``step``, which raise ``PositionError`` if one is not. ``prefill``
@@ -72,6 +77,7 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
                          "candidates eagerly, which a compiled graph cannot do")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r}")
+    budget = parse_bytes(memory_budget)  # a clear error for a bad value, before the capture
     selector = new_selector() if variant == AUTO else None
     declared = config_max(model)
     example_len = 4 if declared is None else max(2, min(4, declared))
@@ -91,6 +97,11 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     lm = CachedLM(gm, sites, limit, source, cache_bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
     lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
     lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 9. pin what the capture read
+    lm.memory_budget = budget
+    if budget is not None and lm.bytes_per_sequence is not None and lm.bytes_per_sequence > budget:
+        raise ValueError(f"one sequence of max_len={limit} needs {lm.bytes_per_sequence} B of K/V cache "
+                         f"({lm.bytes_per_token} B per position), more than memory_budget={budget} B: pass "
+                         f"max_len <= {budget // lm.bytes_per_token} or a larger memory_budget")
     if compile:
         lm.run = torch.compile(gm, dynamic=True)
     return lm

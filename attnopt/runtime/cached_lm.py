@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 from tabulate import tabulate
 
+from ..env import parse_bytes
 from ..kernels.bands import is_band
 from ..spec import PositionError
 from .kv_cache import KVCacheAttention, MaskCheck
@@ -374,6 +375,7 @@ class CachedLM:
         self.bytes_per_token = bytes_per_token
         self.plan = plan
         self.name = name
+        self.memory_budget: int | None = None  # bytes the K/V caches may take (cached(..., memory_budget=))
         self.length = 0
         self.batch: int | None = None
         self.mask_checks: list[MaskCheck] = []
@@ -405,6 +407,7 @@ class CachedLM:
         if self.watch is not None:
             self.watch.check()
         self._check_room(idx.size(1))
+        self._check_budget(idx.size(0))
         self._check_masks(idx.size(0), idx.size(1), idx.device)
         with torch.no_grad():
             logits = self.run(idx, 0)
@@ -478,6 +481,37 @@ class CachedLM:
                              "build the cached model with a larger max_len if the model allows it, "
                              "or start again with a shorter sequence")
 
+    @property
+    def bytes_per_sequence(self) -> int | None:
+        """Cache bytes one sequence takes: the caches are allocated for ``max_len`` positions at prefill."""
+        return None if self.bytes_per_token is None else self.bytes_per_token * self.max_len
+
+    def sequences_that_fit(self, budget: int | str | None = None, length: int | None = None) -> int | None:
+        """How many sequences of ``length`` positions (default ``max_len``) fit in ``budget`` bytes of cache.
+
+        ``budget`` defaults to the ``memory_budget`` given to :func:`~attnopt.pipeline.kv.cached`. The caches
+        of this cached model hold ``max_len`` positions per sequence whatever the length used; build it with
+        ``max_len=length`` to have that many fit. None when the bytes per position or the budget are unknown.
+        """
+        budget = self.memory_budget if budget is None else parse_bytes(budget)
+        if budget is None or self.bytes_per_token is None:
+            return None
+        if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+            raise ValueError(f"length must be a positive int or None, got {length!r}")
+        return budget // (self.bytes_per_token * (length or self.max_len)) if self.bytes_per_token else None
+
+    def _check_budget(self, batch: int) -> None:
+        per = self.bytes_per_sequence
+        if self.memory_budget is None or per is None or batch * per <= self.memory_budget:
+            return
+        fit = self.memory_budget // per
+        longest = self.memory_budget // (batch * self.bytes_per_token) if self.bytes_per_token else 0
+        raise ValueError(
+            f"a batch of {batch} sequence(s) needs {_size(batch * per)} of K/V cache ({self.bytes_per_token} B per "
+            f"position per sequence, max_len={self.max_len}), more than memory_budget={_size(self.memory_budget)}: "
+            f"use a batch of at most {fit}, or build the cached model with max_len <= {longest} for this batch "
+            f"(attnopt.generation.cached(model, max_len=...)), or give a larger memory_budget")
+
     def describe(self) -> str:
         """Sites, length limit and cache memory as text."""
         checked = {c.site_name for c in self.mask_checks}
@@ -486,8 +520,12 @@ class CachedLM:
         per = "unknown" if self.bytes_per_token is None else f"{self.bytes_per_token} B"
         lines = [f"attnopt cached {self.name}: {len(self.sites)} attention site(s) cached, "
                  f"max_len={self.max_len} ({self.max_len_source})",
-                 f"cache: {per} per position per sequence; allocated {self.cache_bytes} B"
+                 f"cache: {per} per position per sequence"
+                 + ("" if self.bytes_per_sequence is None else f", {_size(self.bytes_per_sequence)} per sequence "
+                    f"(max_len positions)") + f"; allocated {_size(self.cache_bytes)}"
                  + (f" for batch {self.batch}, {self.length} position(s) used" if self.batch else ""),
+                 *([f"memory budget {_size(self.memory_budget)}: {self.sequences_that_fit()} sequence(s) of "
+                    f"max_len={self.max_len} fit"] if self.memory_budget is not None else []),
                  "", tabulate(rows, headers=["site", "where", "attention"])]
         if self.watch is not None and self.watch.paths:
             lines.append("buffers the causal proof read, checked before every call: "
@@ -499,6 +537,14 @@ class CachedLM:
 
     def __repr__(self) -> str:
         return f"CachedLM({self.name}, sites={len(self.sites)}, max_len={self.max_len}, length={self.length})"
+
+
+def _size(n: int) -> str:
+    """Bytes as text: ``1536 B``, ``1.5 KiB``, ``3.2 MiB``, ``1.1 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def check_tokens(idx: Any, what: str) -> None:
