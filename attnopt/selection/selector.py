@@ -171,7 +171,19 @@ class Call:
 
 
 class Selector:
-    """Chooses a candidate per (spec, shape key) by measurement; shared by every site of a model."""
+    """Chooses a candidate per (spec, shape key) by measurement; shared by every site of a model.
+
+    Args:
+        timer, memory: ``timer(name, run) -> seconds`` and ``memory(name, run) -> bytes`` for one call
+            (defaults: CUDA events or ``perf_counter``; the peak-memory meter).
+        memory_budget: candidates whose peak exceeds it are not chosen (bytes or ``"512MiB"``).
+        cache: a :class:`TuningCache`, ``True`` for the default one, ``False``/``None`` for none.
+        candidates: the names to consider (default: every registered candidate).
+        confidence: the level of each look's interval (0.99); ``tie``: the relative margin within
+            which two candidates are equivalent (0.03).
+        budget_s: seconds of timed calls per key after the first rounds before an undecided race
+            stops and its choice is marked provisional (2.0); ``max_rounds``: the most rounds (200).
+    """
 
     def __init__(self, *, timer: Timer | None = None, memory: MemoryMeter | None = None,
                  memory_budget: int | str | None = None, cache: TuningCache | None | bool = True,
