@@ -126,6 +126,7 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
 
     selector = getattr(opt, _SELECTOR_ATTR, None)
     if selector is not None:
+        selector.retime_provisional()  # a new tune is the moment to decide the provisional choices
         selector.collective = True  # every rank runs this same sweep: rank 0 tunes, all run its choices
     try:
         _sweep(opt, labels, calls, grad, progress, tqdm)

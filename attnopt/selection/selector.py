@@ -212,21 +212,10 @@ class Selector:
         self.budget_s = budget_s
         self.max_rounds = max_rounds
         self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
-        self._collective = False
+        #: True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`
+        self.collective = False
         self._sites: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
-
-    @property
-    def collective(self) -> bool:
-        """True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`. Entering it re-times
-        the provisional choices (:meth:`retime_provisional`): a new ``tune`` is the moment to decide them."""
-        return self._collective
-
-    @collective.setter
-    def collective(self, on: bool) -> None:
-        if on and not self._collective:
-            self.retime_provisional()
-        self._collective = on
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Selector:
         return self  # one selector per optimized model: copies of the model share its choices
