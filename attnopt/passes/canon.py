@@ -26,7 +26,8 @@ scale      ``(x, factor, "mul" | "div")``: a product or quotient with a scalar
 add        ``(a, b)``
 masked_fill ``(x, cond, value)``
 where      ``(cond, a, b)``
-softmax    ``(x, dim, dtype)`` with ``dim`` normalised to non-negative
+softmax    ``(x, dim, dtype)`` with ``dim`` normalised to non-negative; ``Op.mode == "safe"`` for
+           ``aten._safe_softmax`` (a row whose every score is ``-inf`` gives zeros, not NaN)
 cast       ``(x,)``: a dtype conversion; the target dtype is read from the node's meta
 identity   ``(x,)``: ``contiguous``/``clone``: same values
 dropout    ``(x, p, mode)`` with mode ``"on"``, ``"off"`` or ``"module"`` (nn.Dropout's flag)
@@ -37,8 +38,8 @@ not        ``(x,)``
 tril/triu  ``(x, diagonal)``
 getitem    ``(x, index)``
 view       ``(x,)``: view/reshape/unsqueeze/expand/broadcast_to: a reshaping whose result shape is in meta
-factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like/zeros_like/full_like/zeros/empty
-           (fill None for empty/empty_like)
+factory    ``(fill_value, dtype)``: ones/full/new_ones/new_full/ones_like/zeros_like/full_like/zeros/empty,
+           ``torch.tensor(number)`` and ``aten.scalar_tensor`` (fill None for empty/empty_like)
 ========== =============================================================
 
 In-place methods (``mul_``, ``div_``, ``add_``, ``masked_fill_``, ``baddbmm_``, ``tanh_``) read
@@ -69,6 +70,7 @@ class Op:
     kind: str
     args: tuple[Any, ...]
     spelling: str
+    mode: str = ""  # a variant of the kind with other semantics: "safe" for aten._safe_softmax
 
 
 # ----------------------------------------------------------------------------- meta helpers
@@ -202,10 +204,9 @@ def _matmul(node: fx.Node, _: Any) -> Op:
 def _baddbmm(node: fx.Node, _: Any) -> Op:
     inp = node.args[0]
     a, b = _arg(node, 1, "batch1"), _arg(node, 2, "batch2")
-    beta = _arg(node, 3, "beta", 1) if node.op == "call_function" and node.target is aten.baddbmm.default \
-        else node.kwargs.get("beta", 1)
-    alpha = _arg(node, 4, "alpha", 1) if node.op == "call_function" and node.target is aten.baddbmm.default \
-        else node.kwargs.get("alpha", 1)
+    aten_form = node.op == "call_function" and node.target in (aten.baddbmm.default, aten.baddbmm)
+    beta = _arg(node, 3, "beta", 1) if aten_form else node.kwargs.get("beta", 1)
+    alpha = _arg(node, 4, "alpha", 1) if aten_form else node.kwargs.get("alpha", 1)
     if a is None or b is None:
         raise ValueError("baddbmm without both batch operands")
     return Op("baddbmm", (inp, a, b, beta, alpha), _spell(node))
@@ -370,6 +371,14 @@ def _aten_softmax(node: fx.Node, _: Any) -> Op:
     return Op("softmax", (x, _norm_dim(node.args[1], _ndim(x)), None), _spell(node))
 
 
+def _safe_softmax(node: fx.Node, _: Any) -> Op:
+    """``aten._safe_softmax(x, dim, dtype=None)`` (what ``torch.export`` records for ``F.softmax`` in some
+    graphs): softmax, except that a row whose every score is ``-inf`` gives zeros instead of NaN."""
+    x = node.args[0]
+    return Op("softmax", (x, _norm_dim(_arg(node, 1, "dim"), _ndim(x)), _arg(node, 2, "dtype")), _spell(node),
+              mode="safe")
+
+
 def _softmax_module(node: fx.Node, mod: Any) -> Op:
     x = node.args[0]
     return Op("softmax", (x, _norm_dim(mod.dim, _ndim(x)), None), f"nn.Softmax(dim={mod.dim})")
@@ -379,7 +388,7 @@ def _cast(node: fx.Node, _: Any) -> Op | None:
     # .to(...) is a cast only when it can change nothing but the dtype.
     if dtype_of(node) is None:
         return None
-    if node.target == "to" or node.target is aten._to_copy.default:
+    if node.target == "to" or node.target in _ATEN_TO:
         src = shape_of(node.args[0])
         if src is None or tuple(src) != tuple(shape_of(node) or ()):
             return None
@@ -388,6 +397,10 @@ def _cast(node: fx.Node, _: Any) -> Op | None:
         if src_dev is not None and dst_dev is not None and src_dev != dst_dev:
             return None
     return Op("cast", (node.args[0],), _spell(node))
+
+
+#: ATen conversions that may also move the tensor (read as a cast only when shape and device stay).
+_ATEN_TO = (aten._to_copy.default, aten._to_copy, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to)
 
 
 def _identity(node: fx.Node, _: Any) -> Op | None:
@@ -454,10 +467,21 @@ def _view(node: fx.Node, _: Any) -> Op:
 
 def _factory(fill_index: int | None, fill: Any = None) -> Reader:
     def read_(node: fx.Node, _: Any) -> Op | None:
+        if node.kwargs.get("requires_grad"):
+            return None  # a leaf the backward reaches: not a constant to fold into a mask
         value = fill if fill_index is None else _arg(node, fill_index, "fill_value")
         return Op("factory", (value, dtype_of(node)), _spell(node))
 
     return read_
+
+
+def _tensor_of_number(node: fx.Node, _: Any) -> Op | None:
+    """``torch.tensor(c)`` / ``aten.scalar_tensor(c)`` of a plain number: a 0-d constant tensor (a list, a
+    tensor or a run-time number is not read)."""
+    value = _arg(node, 0, "data" if node.target is torch.tensor else "s")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or node.kwargs.get("requires_grad"):
+        return None
+    return Op("factory", (value, dtype_of(node)), _spell(node))
 
 
 def _spell(node: fx.Node) -> str:
@@ -466,6 +490,8 @@ def _spell(node: fx.Node) -> str:
         return f".{t}()"
     if isinstance(t, torch._ops.OpOverload):
         return f"aten.{t.__name__.split('.')[0]}"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"aten.{t.__name__}"
     names = {operator.matmul: "@", operator.mul: "*", operator.truediv: "/", operator.add: "+",
              operator.imul: "*=", operator.itruediv: "/=", operator.iadd: "+="}
     if t in names:
@@ -489,10 +515,14 @@ _FUNCTIONS: dict[Any, Reader] = {
     operator.add: _scale_or_binary("add"), torch.add: _scale_or_binary("add"),
     operator.iadd: _scale_or_binary("add"),
     aten.add.Tensor: _scale_or_binary("add"),
+    # in place, as torch.export records ``s += m`` (later ops read the in-place node's result)
+    aten.add_.Tensor: _scale_or_binary("add"), aten.mul_.Tensor: _scale_or_binary("mul"),
+    aten.div_.Tensor: _scale_or_binary("div"),
     torch.masked_fill: _masked_fill, aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
     torch.where: _where, aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
     F.softmax: _softmax, torch.softmax: _softmax, aten.softmax.int: _softmax, aten._softmax.default: _aten_softmax,
-    aten._to_copy.default: _cast,
+    aten._safe_softmax.default: _safe_softmax,
+    aten._to_copy.default: _cast, aten.to.dtype: _cast, aten.to.dtype_layout: _cast, aten.to.device: _cast,
     aten.alias.default: _identity, aten.clone.default: _identity, aten.contiguous.default: _identity,
     F.dropout: _dropout_fn, torch.dropout: _dropout_fn, aten.dropout.default: _dropout_fn,
     operator.eq: _binary("eq"), torch.eq: _binary("eq"), aten.eq.Scalar: _binary("eq"), aten.eq.Tensor: _binary("eq"),
@@ -517,6 +547,7 @@ _FUNCTIONS: dict[Any, Reader] = {
     aten.zeros_like.default: _factory(None, 0), torch.full_like: _factory(1), aten.full_like.default: _factory(1),
     torch.empty_like: _factory(None, None), aten.empty_like.default: _factory(None, None),
     torch.full: _factory(1), aten.full.default: _factory(1),
+    torch.tensor: _tensor_of_number, aten.scalar_tensor.default: _tensor_of_number,
     torch.zeros: _factory(None, 0), aten.zeros.default: _factory(None, 0),
     torch.empty: _factory(None, None), aten.empty.memory_format: _factory(None, None),
     torch.broadcast_to: _view,
@@ -566,6 +597,15 @@ _MODULES: dict[type, Reader] = {
 }
 
 
+#: ``torch.ops.aten.<op>`` called without an overload (``aten._safe_softmax(s, -1)``, ``aten.mul(q, c)``) reads
+#: like its overloads: every overload of one op in the table has one reader (the first listed is kept).
+_PACKETS: dict[Any, Reader] = {}
+for _target, _reader in _FUNCTIONS.items():
+    if isinstance(_target, torch._ops.OpOverload):
+        _PACKETS.setdefault(_target.overloadpacket, _reader)
+del _target, _reader
+
+
 def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
     """Read one FX node into the canonical vocabulary, or None if it is outside it."""
     if not isinstance(node, fx.Node):
@@ -574,7 +614,7 @@ def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
     context: Any = None
     if node.op == "call_function":
         try:
-            reader = _FUNCTIONS.get(node.target)
+            reader = _FUNCTIONS.get(node.target) or _PACKETS.get(node.target)
         except TypeError:  # unhashable target
             reader = None
     elif node.op == "call_method":
@@ -916,8 +956,9 @@ def may_alias(user: fx.Node, inp: Any, root: torch.nn.Module | None = None) -> b
             return first  # x.T, x.mT, x.data
         if isinstance(user.target, torch._ops.OpOverload):
             verdict = _overload_fresh(user.target)
-            if verdict is True:
-                return False
+            op = read(user)
+            if verdict is True or (op is not None and op.kind in _FRESH_RESULT_KINDS):
+                return False  # a new tensor (aten.matmul is composite, but always computes one)
             try:
                 composite = user.target.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
             except RuntimeError:

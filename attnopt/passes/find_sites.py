@@ -20,20 +20,26 @@ variable names:
 
 * *softmax over the key axis*: the scores' shape is known and the softmax is over its last axis;
 * *probabilities reach P @ V*: through casts, copies and at most one dropout to ``P @ V`` (or
-  ``v^T @ P^T``), every step the only user of the one before, so nothing else sees the probabilities;
+  ``v^T @ P^T``), every step the only user of the one before (readers of the dtype or shape alone do
+  not count), so nothing else sees the probabilities;
 * *scores come from q @ k^T*: back through scales, masks, biases, score modifiers and casts to the
-  product (or ``baddbmm``), again every intermediate with exactly one user;
+  product (or ``baddbmm``), again every intermediate with exactly one user; a ``masked_fill``/``where``
+  fills a number, or a 0-d tensor built in the graph from one (``torch.full([], finfo.min)``);
 * *conversions keep every value*: only widening casts (or back to the compute dtype; v's on the
   probabilities);
 * *scale, score modifier, then masks*: the scale is a scalar; an elementwise modifier comes before
   any mask; a factor after a mask is a positive constant;
-* *q, k, v shapes line up*: q, k, v have the same rank (2-4), keys and values one length, and the
-  scores are not broadcast beyond ``q @ k^T``;
+* *q, k, v shapes line up*: q, k, v have the same rank (2-4), keys and values one length, the
+  scores are not broadcast beyond ``q @ k^T``, and a replaced node whose shape alone is read elsewhere
+  (``mask.view(B, 1, 1, S).expand_as(scores)``, ``scores.size(-1)``) has a static shape or q's leading
+  dims by Tk, so the rewrite can hand that reader a one-element stand-in of that shape;
 * *heads match or are shared*: equal batch/head dims, or heads that ``repeat_kv`` (unsqueeze +
   expand + reshape) provably shares in groups, or one broadcast head: what ``enable_gqa`` reproduces;
 * *the output has SDPA's shape*: ``[..., Tq, Dv]``;
 * *masks are planned*: passes/masks.py reads them as one SDPA mask; masks have the scores' dtype
-  and do not broadcast the scores up;
+  (a bool or integer mask added to the scores is passed as the float values type promotion adds)
+  and do not broadcast the scores up; ``aten._safe_softmax`` (zeros for rows whose every score is
+  ``-inf``) only where no row can be masked entirely;
 * *q and k share a floating dtype*, the compute dtype;
 * *fills hold in the compute dtype*: finite fills that stay exact;
 * *v is floating*;
@@ -64,6 +70,7 @@ from ..spec import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod
 from .canon import (
     Op,
     alias_group,
+    convert_scalar,
     dtype_of,
     functionalize_inplace,
     holds_exactly,
@@ -191,8 +198,47 @@ def reads_only_dtype(user: fx.Node, node: fx.Node) -> bool:
         and node not in user.kwargs.values()
 
 
+#: Methods ``x.<name>(node)`` whose result depends on ``node``'s shape only (``node`` not the first argument).
+_SHAPE_OF_OTHER = frozenset(("expand_as", "view_as", "reshape_as"))
+#: Methods ``node.<name>(...)`` and attributes ``node.<name>`` that return its shape, rank, dtype or device.
+_SHAPE_METHODS = frozenset(("size", "dim", "ndimension", "numel", "nelement"))
+_SHAPE_ATTRS = frozenset(("shape", "ndim", "dtype", "device", "is_cuda"))
+_SYM_SIZES = frozenset(getattr(torch.ops.aten, name) for name in ("sym_size", "sym_numel")
+                       if hasattr(torch.ops.aten, name))
+#: The ATen forms ``torch.export`` records for ``x.expand_as(node)`` and the like.
+_ATEN_SHAPE_OF_OTHER = frozenset(getattr(torch.ops.aten, name) for name in _SHAPE_OF_OTHER
+                                 if hasattr(torch.ops.aten, name))
+
+
+def reads_only_shape(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` reads ``node``'s shape (rank, dtype, device), never its values or strides:
+    ``mask.view(B, 1, 1, S).expand_as(scores)``, ``x.view_as(scores)``, ``scores.size(-1)``, ``scores.shape``,
+    ``scores.dim()``, ``aten.sym_size.int(scores, 0)``. Not ``scores.stride()``, ``scores.is_contiguous()``, nor
+    ``scores.view_as(x)`` (the scores' values)."""
+    if user.kwargs.get("out") is not None or not user.args:
+        return False
+    if user.op == "call_method":
+        name = str(user.target)
+        if name in _SHAPE_OF_OTHER:
+            return len(user.args) == 2 and user.args[0] is not node and user.args[1] is node and not user.kwargs
+        return name in _SHAPE_METHODS and user.args[0] is node and node not in user.args[1:] \
+            and node not in user.kwargs.values()
+    if user.op != "call_function":
+        return False
+    if user.target is getattr:
+        return len(user.args) == 2 and user.args[0] is node and user.args[1] in _SHAPE_ATTRS
+    targets = {user.target} | ({user.target.overloadpacket} if isinstance(user.target, torch._ops.OpOverload)
+                               else set())
+    if targets & _ATEN_SHAPE_OF_OTHER:
+        return len(user.args) == 2 and user.args[0] is not node and user.args[1] is node and not user.kwargs
+    if user.target is torch.ops.aten._assert_tensor_metadata.default:  # export's dtype/device/layout check
+        return user.args[0] is node and node not in (*user.args[1:], *user.kwargs.values()) \
+            and (len(user.args) < 3 or user.args[2] is None) and user.kwargs.get("stride") is None
+    return bool(targets & _SYM_SIZES) and user.args[0] is node and node not in user.args[1:]
+
+
 def _only_user(node: fx.Node, what: str) -> fx.Node:
-    users = [u for u in node.users if not reads_only_dtype(u, node)]
+    users = [u for u in node.users if not reads_only_dtype(u, node) and not reads_only_shape(u, node)]
     if len(users) != 1:
         # name the unexpected users first: the caller, then anything that is not the next attention step
         named = sorted(users, key=lambda u: (u.op != "output", _is_attention_step(u)))
@@ -462,7 +508,8 @@ def _add_scale(st: _Partial, factor: Any, how: str) -> None:
 
 
 def _operand_shapes(st: _Partial) -> None:
-    """q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv] of one rank (2 to 4); the scores are q @ k^T's shape."""
+    """q [.., Tq, D], k [.., Tk, D], v [.., Tk, Dv] of one rank (2 to 4); the scores are q @ k^T's shape, and a
+    shape that is read elsewhere can be rebuilt (:func:`_shape_readers`)."""
     if st.k_transposed:
         st.k, st.k_t = st.k_t, None
     else:
@@ -488,6 +535,7 @@ def _operand_shapes(st: _Partial) -> None:
         raise NearMiss("the values' sequence axis does not match the keys'")
     if not (same(st.s_shape[-2], st.tq) and same(st.s_shape[-1], st.tk)):
         raise NearMiss("the scores are broadcast to a larger shape than q @ k^T")
+    _shape_readers(st)
 
 
 def _heads(st: _Partial) -> None:
@@ -519,7 +567,8 @@ def _output_shape(st: _Partial) -> None:
 
 def _masks(st: _Partial) -> None:
     """passes/masks.py reads the masks as one SDPA mask; each has no more dims than the scores, and an
-    additive one the scores' dtype."""
+    additive one the scores' dtype (or bool/integer, which the sum promotes: :func:`promoted_mask`); an
+    ``aten._safe_softmax`` has no row that the mask may hide entirely (:func:`_safe_rows`)."""
     plan = plan_mask(st.masks, st.tq, st.tk, dtype_of(st.scores_in), st.gm, st.concrete)
     if isinstance(plan, str):
         raise NearMiss(plan)
@@ -529,8 +578,47 @@ def _masks(st: _Partial) -> None:
         ms = shape_of(m)
         if ms is None or len(ms) > st.nd:
             raise NearMiss("the mask has more dims than the scores")
-        if isinstance(t, Add) and dtype_of(m) != dtype_of(st.product):
+        if isinstance(t, Add) and dtype_of(m) != dtype_of(st.product) and not promoted_mask(t, dtype_of(st.product)):
             raise NearMiss(f"the additive mask has dtype {dtype_of(m)} but the scores {dtype_of(st.product)}")
+    _safe_rows(st)
+
+
+def promoted_mask(t: Add, scores_dtype: torch.dtype | None) -> bool:
+    """A bool or integer mask added to floating scores of ``scores_dtype``: type promotion converts it to the
+    scores' dtype (``True`` is 1, ``False`` 0) and the sum keeps that dtype, so passing ``mask.to(dtype)`` to
+    the kernel adds the same values."""
+    md = dtype_of(t.mask)
+    return md is not None and not md.is_floating_point and not md.is_complex and scores_dtype is not None \
+        and scores_dtype.is_floating_point and t.dtype == scores_dtype
+
+
+def _safe_rows(st: _Partial) -> None:
+    """``aten._safe_softmax`` gives zeros for a row whose every score is ``-inf``; the site's policy for such
+    rows (NaN, as ``softmax`` gives) holds only where no row can be filled that way."""
+    assert st.plan is not None
+    if st.sm.mode == "safe" and st.plan.nan_rows:
+        raise NearMiss(f"{st.sm.spelling}{_at(st.softmax)} gives zeros for rows whose every key is masked with "
+                       f"-inf, and the mask ({st.plan.fill_spelling}) may mask every key of a row; only rewritten "
+                       "when no row can be fully masked (no mask, a constant finite one, or a proven top-left "
+                       "causal one)")
+
+
+def _shape_readers(st: _Partial) -> None:
+    """A node the site replaces whose shape is read elsewhere (``mask.expand_as(scores)``, ``scores.size(-1)``)
+    has a shape the rewrite rebuilds without computing it: static, or provably q's leading dims by Tk."""
+    for node in (st.softmax, *st.internal):
+        readers = [u for u in node.users if reads_only_shape(u, node)]
+        if not readers:
+            continue
+        shape = shape_of(node)
+        if shape is not None and all(type(d) is int for d in shape):
+            continue
+        q_lead = tuple(st.q_shape[:-1])
+        if shape is None or len(shape) != len(q_lead) + 1 or not all(same(a, b) for a, b in zip(shape, q_lead)) \
+                or not same(shape[-1], st.tk):
+            what = getattr(readers[0].target, "__name__", readers[0].target)
+            raise NearMiss(f"`{node.name}` is read by `{what}`{_at(readers[0])} for its shape "
+                           f"{list(shape or ())}, which is neither static nor provably q's leading dims by Tk")
 
 
 def _qk_dtype(st: _Partial) -> None:
@@ -869,9 +957,9 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         return op.args[0]
     if k == "masked_fill":
         x, cond, value = op.args
-        v = _scale_value(value)
+        v = _fill_value(value)
         if v is None or not isinstance(cond, fx.Node):
-            raise NearMiss(f"the masked_fill value `{value}` is not a number known at capture")
+            raise NearMiss(f"the masked_fill value `{value}` is not a number known at capture{_why_not_fill(value)}")
         chain.append(("mask", Fill(cond, v, dtype=dtype_of(node))))
         record.spelling.append(op.spelling)
         return x
@@ -884,15 +972,15 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         return x
     if k == "where":
         cond, a, b = op.args
-        if isinstance(a, fx.Node) and _same_shape(a, node) and _scale_value(b) is not None:
-            chain.append(("mask", Fill(cond, _scale_value(b), True, dtype_of(node))))  # type: ignore[arg-type]
-            record.spelling.append("where")
-            return a
-        if isinstance(b, fx.Node) and _same_shape(b, node) and _scale_value(a) is not None:
-            chain.append(("mask", Fill(cond, _scale_value(a), dtype=dtype_of(node))))  # type: ignore[arg-type]
-            record.spelling.append("where")
-            return b
-        raise NearMiss("torch.where between product and softmax does not fill with a constant")
+        for s, fill, keep in ((a, b, True), (b, a, False)):
+            # the scores' dtype is the result's: a 0-d fill tensor of another category would promote them
+            if isinstance(s, fx.Node) and _same_shape(s, node) and dtype_of(s) == dtype_of(node) \
+                    and _fill_value(fill) is not None:
+                chain.append(("mask", Fill(cond, _fill_value(fill), keep, dtype_of(node))))  # type: ignore[arg-type]
+                record.spelling.append("where" if not isinstance(fill, fx.Node) else "where(0-d fill)")
+                return s
+        fill = b if isinstance(a, fx.Node) and _same_shape(a, node) else a
+        raise NearMiss(f"torch.where between product and softmax does not fill with a constant{_why_not_fill(fill)}")
     if k == "sub" and isinstance(op.args[0], fx.Node) and _scale_value(op.args[1]) is not None \
             and not isinstance(op.args[1], fx.Node) and _same_shape(op.args[0], node):
         value = -float(op.args[1])
@@ -917,11 +1005,51 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         # The score operand has the result's full shape and leads back to a product.
         for s, m in ((a, b), (b, a)):
             if _same_shape(s, node) and _leads_to_product(s):
-                chain.append(("mask", Add(m)))
+                chain.append(("mask", Add(m, dtype=dtype_of(node))))
                 record.spelling.append("+ mask")
                 return s
         raise NearMiss("an addition between product and softmax has no score operand")
     return None
+
+
+def _fill_value(x: Any) -> float | None:
+    """The value a ``masked_fill``/``where`` fill stands for: a number known at capture, or a 0-d tensor that
+    provably holds one (``torch.full([], finfo.min)``, ``torch.tensor(-1e4)``, ``s.new_full((), -inf)``, not
+    written in place, not requiring grad), as its own dtype stores it (it is converted to the scores' dtype
+    like a Python number would be). None otherwise: a parameter or input (it may change), a run-time number."""
+    value = _scale_value(x)
+    if value is not None:
+        return None if isinstance(value, torch.SymFloat) else value
+    if not (isinstance(x, fx.Node) and is_zero_dim_tensor(x)):
+        return None
+    op = read(x)
+    dt = dtype_of(x)
+    if op is None or op.kind != "factory" or dt is None or dt.is_complex \
+            or mutated(x) or getattr(meta_value(x), "requires_grad", False) or x.kwargs.get("requires_grad"):
+        return None
+    fill = op.args[0]
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        return None
+    try:
+        return float(convert_scalar(fill, dt))
+    except ValueError:
+        return None
+
+
+def _why_not_fill(x: Any) -> str:
+    """Why ``x`` is no constant fill, for a tensor (empty for other values)."""
+    if not isinstance(x, fx.Node) or meta_value(x) is None or isinstance(meta_value(x), (int, float, bool)):
+        return ""
+    if not is_zero_dim_tensor(x):
+        return f" (the fill `{x.name}` is a tensor of shape {list(shape_of(x) or ())}, not a 0-d constant)"
+    if x.op in ("placeholder", "get_attr"):
+        return (f" (the fill `{x.name}` is a 0-d tensor from outside the graph, a parameter, buffer or input: "
+                "it may change)")
+    if mutated(x):
+        return f" (the 0-d fill `{x.name}` is written in place)"
+    if getattr(meta_value(x), "requires_grad", False) or x.kwargs.get("requires_grad"):
+        return f" (the 0-d fill `{x.name}` requires grad)"
+    return ""
 
 
 def _per_row_block_factor(factor: Any, scores: fx.Node) -> bool:
@@ -1104,4 +1232,5 @@ def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None 
     return out
 
 
-__all__ = ["REFUSALS", "RULES", "Match", "NearMiss", "find_sites", "match_site"]
+__all__ = ["REFUSALS", "RULES", "Match", "NearMiss", "find_sites", "match_site", "promoted_mask",
+           "reads_only_shape"]

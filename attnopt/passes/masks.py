@@ -62,6 +62,7 @@ class Add:
 
     mask: fx.Node
     factor: float = 1.0
+    dtype: torch.dtype | None = None  # the sum's: a bool or integer mask is converted to it (type promotion)
 
 
 @dataclass
@@ -657,6 +658,8 @@ def _keep_band(terms: list[Any], reader: BandReader, score_dtype: torch.dtype | 
         else:
             b = reader.band(t.mask)
             dt = dtype_of(t.mask) or score_dtype
+            if dt is not None and not dt.is_floating_point and t.dtype is not None:
+                b, dt = _convert(b, t.dtype), t.dtype  # a bool/integer mask adds its values in the sum's dtype
 
             def kept(v: Any, dt: torch.dtype | None = dt) -> bool:
                 if v == 0:
@@ -686,6 +689,28 @@ def _causal_shape(keep: Band) -> tuple[Any, int | None]:
             return None, None
         return (hi, w) if w >= 1 else (None, None)
     return None, None
+
+
+def _never_inf(t: Add, root: torch.nn.Module, concrete: dict[fx.Node, torch.Tensor]) -> bool:
+    """The added mask holds no infinity in the sum's dtype, so it can hide no key: a bool mask (0 or 1), an
+    integer mask whose dtype's range is finite there (int64 in float32, uint8 in float16), or a mask built in the
+    graph from constants alone (no buffer, no input) whose every value is finite (``torch.zeros(1, 1, T, S)``)."""
+    md = dtype_of(t.mask)
+    if md is not None and t.dtype is not None and t.dtype.is_floating_point and not md.is_floating_point \
+            and not md.is_complex:
+        info = None if md == torch.bool else torch.iinfo(md)
+        if info is None or max(-info.min, info.max) <= torch.finfo(t.dtype).max:
+            return True
+    reader = BandReader(root, concrete)
+    try:
+        b = reader.band(t.mask)
+        if t.dtype is not None and dtype_of(t.mask) != t.dtype:
+            b = _convert(b, t.dtype)
+    except _Unknown:
+        return False
+    if reader.guarded or reader.conditions:
+        return False
+    return all(isinstance(v, (int, float, bool)) and math.isfinite(float(v)) for v in b.values)
 
 
 def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | None,
@@ -733,7 +758,7 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
     # causal masks keep key 0 in every row, so only other masks need the NaN rows restored
     # (and guarded ones, for the run where the guard fails and the mask tensor is used).
     has_inf = any(isinstance(t, Fill) and t.value == -math.inf for t in terms) or any(
-        isinstance(t, Add) for t in terms)
+        isinstance(t, Add) and not _never_inf(t, root, concrete) for t in terms)
     # A top-left window keeps key i in row i only while i < Tk, so its mask tensor stays in play.
     always_causal = plan.causal == "top_left" and not plan.guarded and not plan.conditions and plan.window is None
     plan.nan_rows = has_inf and not always_causal

@@ -5,12 +5,13 @@ Emits, before the site's ``P @ V`` node::
 
     q1   = q * t            # only for per-head factor tensors, folded into q (keeps gradients to t)
     k    = kT.transpose(-2, -1)   # only when the product read a pre-transposed K
-    mask = ~cond  /  where(cond, -inf, 0.0) + m ...   # the masks, combined for SDPA
+    mask = ~cond  /  where(cond, -inf, 0.0) + m ...   # the masks, combined for SDPA (bool/int added: m.to(dtype))
     s    = 0.125 * attr_scale        # only for run-time numbers (float module attributes)
     out  = attnopt_site0(q1, k, v, mask, s, dropout_p, *guarded_buffers, scale_tensor=t0)  # t0: 0-d scales
 
-then redirects the users of ``P @ V`` to ``out`` and removes the dead scores, probabilities
-and transposes. The ``AttentionSite`` module is added to the GraphModule, so ``gm.code``
+then redirects the users of ``P @ V`` to ``out``, hands readers of a removed node's dtype or shape alone
+(``x.type_as(s)``, ``mask.expand_as(s)``) q or a one-element stand-in of that shape, and removes the dead
+scores, probabilities and transposes. The ``AttentionSite`` module is added to the GraphModule, so ``gm.code``
 shows the call and ``print(gm)`` shows its spec. Ends with ``graph.lint()`` and ``recompile()``.
 """
 
@@ -25,8 +26,8 @@ import torch.fx as fx
 from ..runtime.guards import BufferGuard, ConditionGuard
 from ..runtime.site import AttentionSite, BoundedFillSite
 from ..spec import REWRITTEN
-from .canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value
-from .find_sites import Match, reads_only_dtype
+from .canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value, shape_of
+from .find_sites import Match, reads_only_dtype, reads_only_shape
 from .masks import Add, Fill
 
 
@@ -45,7 +46,11 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     dtype = m.spec.compute_dtype
     for t in plan.terms:
         if isinstance(t, Add):
-            added = t.mask if t.factor == 1.0 else graph.call_function(scaled_mask, (t.mask, t.factor))
+            added = t.mask
+            md = dtype_of(t.mask)
+            if md is not None and not md.is_floating_point and t.dtype is not None:
+                added = graph.call_method("to", (added, t.dtype))  # a bool/int mask, as type promotion adds it
+            added = added if t.factor == 1.0 else graph.call_function(scaled_mask, (added, t.factor))
             mask = added if mask is None else graph.call_function(operator.add, (mask, added))
         elif isinstance(t, Fill):
             keep = t.keep_when_true
@@ -195,6 +200,11 @@ def _detach_metadata_users(m: Match) -> None:
 
     internal = set(m.internal)
     for node in m.internal:
+        shaped = [u for u in node.users if u not in internal and reads_only_shape(u, node)]
+        if shaped and dtype_of(node) is not None and _device(node) == _device(m.q):
+            stand_in = _shape_stand_in(node, m)
+            for user in shaped:
+                user.replace_input_with(node, stand_in)
         likes = [u for u in node.users if u not in internal and reads_only_like(u, node)]
         shape = _dense_static_shape(node)
         if likes and shape is not None and _device(node) == _device(m.q) and dtype_of(node) is not None:
@@ -210,6 +220,26 @@ def _detach_metadata_users(m: Match) -> None:
         for user in list(node.users):
             if user not in internal and reads_only_dtype(user, node) and not reads_only_like(user, node):
                 user.replace_input_with(node, m.q)
+
+
+def _shape_stand_in(node: fx.Node, m: Match) -> fx.Node:
+    """A tensor with ``node``'s shape, dtype and device that holds one element: ``q.new_empty(()).expand(shape)``,
+    for readers of the shape alone (``mask.expand_as(scores)``). The shape is the static one, or (proven by
+    find_sites' rule *q, k, v shapes line up*) q's leading dims by Tk, read from q and k at run time."""
+    graph = node.graph
+    shape: Any = shape_of(node)
+    first = next(n for n in graph.nodes if n in node.users)
+    with graph.inserting_before(first):
+        if not all(type(d) is int for d in shape):
+            keys = m.k if m.k is not None else m.k_t
+            tk = graph.call_method("size", (keys, -2 if m.k is not None else -1))
+            shape = [graph.call_method("size", (m.q, i)) for i in range(len(shape) - 1)] + [tk]
+        one = graph.call_method("new_empty", (m.q, ()), {"dtype": dtype_of(node)})
+        stand_in = graph.call_method("expand", (one, *shape))
+    for key in ("val", "example_value", "tensor_meta"):
+        if key in node.meta:
+            stand_in.meta[key] = node.meta[key]
+    return stand_in
 
 
 def _dense_static_shape(node: fx.Node) -> tuple[int, ...] | None:
