@@ -22,9 +22,11 @@ import torch.fx as fx
 
 from ..config import OptimizeConfig
 from ..env import AUTO
+from ..passes.hop import bodies
 from ..runtime.guards import BufferGuard
 from ..runtime.site import GUARDED_ARGS_START, AttentionSite
 from ..selection.selector import Selector
+from ..spec import LEFT_ALONE
 from .optimize import run_pipeline
 from .report import Report
 from .steps import new_selector
@@ -68,7 +70,20 @@ def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
         log.warning("capture failed for %s", msg, exc_info=True)
         return _finish(gm, example_inputs, config)
     report.records.extend(records)
-    return _finish(new_gm, example_inputs, config, fallback=gm)
+    try:
+        return _finish(new_gm, example_inputs, config, fallback=gm)
+    except Exception as e:  # noqa: BLE001 - Inductor could not take the rewrite: compile the graph as written
+        if not (config.compile and any(r.rewritten for r in records)):
+            raise
+        msg = f"graph {graph_id}: Inductor could not compile the rewritten graph: {type(e).__name__}: {e}"
+        report.failures.append(msg)
+        warnings.warn(f"attnopt: {msg}; it is compiled as written", stacklevel=2)
+        log.warning("%s", msg, exc_info=True)
+        for r in records:
+            if r.rewritten:
+                r.decision, r.rewrite = LEFT_ALONE, ""
+                r.reason = f"Inductor could not compile the rewritten graph ({type(e).__name__}); compiled as written"
+        return _finish(gm, example_inputs, config)
 
 
 #: Calls that draw random numbers (the eager replay of a checkpoint would draw them again).
@@ -114,6 +129,7 @@ def random_in_checkpoint(gm: fx.GraphModule) -> str | None:
     for the backward; run eagerly (any backend that returns the graph's ``forward``, as attnopt does)
     the replay draws new random numbers, so a dropout inside gets other masks in the backward than in
     the forward and the gradients are silently wrong (``torch.compile(backend="eager")`` shows the same).
+    Bodies that draw nothing are rewritten inside, still checkpointed (``passes/hop.py``).
     """
     for node in gm.graph.nodes:
         if node.op != "call_function" or "checkpoint" not in getattr(node.target, "__name__", ""):
@@ -178,14 +194,20 @@ def _tune_before_tracing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> N
 
 
 def _boundary_guards(gm: fx.GraphModule) -> list[tuple[int, Any]]:
+    """(input index, guard) for each buffer guard of a site that reads an input of ``gm`` (in ``gm``'s own
+    graph, or in a higher-order op body that ``gm`` passes the input to)."""
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        mod = gm.get_submodule(str(node.target))
-        if isinstance(mod, AttentionSite) and mod.guards:
-            for g, arg in zip(mod.guards, node.args[GUARDED_ARGS_START:]):
-                if arg in placeholders and isinstance(g, BufferGuard):
-                    out.append((placeholders[arg], g))
+    graphs: list[tuple[fx.GraphModule, Callable[[fx.Node], list[Any]]]] = [(gm, lambda n: [n])]
+    graphs += [(b.module, lambda n, b=b: b.sources.get(n, [None])) for b in bodies(gm)]
+    for owner, roots in graphs:
+        for node in owner.graph.nodes:
+            if node.op != "call_module":
+                continue
+            mod = owner.get_submodule(str(node.target))
+            if isinstance(mod, AttentionSite) and mod.guards:
+                for g, arg in zip(mod.guards, node.args[GUARDED_ARGS_START:]):
+                    for root in roots(arg) if isinstance(arg, fx.Node) else []:
+                        if root in placeholders and isinstance(g, BufferGuard):
+                            out.append((placeholders[root], g))
     return out

@@ -4,9 +4,11 @@ Each step is one named function over a captured graph; the routes in this packag
 (:mod:`~attnopt.pipeline.optimize`, :mod:`~attnopt.pipeline.kv`, the profiler's site brackets
 in :mod:`attnopt.profiling.measure`) are short lists of them:
 
-* :func:`copy_graph`: the caller's graph is never edited;
+* :func:`copy_graph`: the caller's graph is never edited (nor the higher-order op bodies it runs);
 * :func:`find_in`: every node gets a shape, real example values are bound (never fake or meta
   tensors), then sites are found: a ``Match`` per proven site, a record per near miss;
+* :func:`find_everywhere`: :func:`find_in` over the graph and every higher-order op body it runs
+  (activation checkpointing, ``wrap``: ``passes/hop.py``), one :class:`Found` each;
 * :func:`choose`: which proven sites a candidate may serve (the others are left alone, with why);
 * :func:`attach`: the rewritten site modules get their selector and their record;
 * :func:`new_selector`: the one place a :class:`~attnopt.selection.selector.Selector` is made.
@@ -15,7 +17,8 @@ in :mod:`attnopt.profiling.measure`) are short lists of them:
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ from ..env import AUTO
 from ..kernels.registry import get_candidate
 from ..passes.canon import meta_value
 from ..passes.find_sites import Match, find_sites
+from ..passes.hop import Body, bodies, claim, direct_bodies, shapes_from_calls, values_of
 from ..passes.shapes import ensure_shapes
 from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
@@ -47,10 +51,16 @@ def new_selector(memory_budget: int | None = None, *, shared: bool = False) -> S
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A graph module with a copy of ``gm``'s graph and ``gm``'s own submodules and tensors."""
+    """A graph module with a copy of ``gm``'s graph and ``gm``'s own submodules and tensors.
+
+    The bodies its higher-order ops run (``wrap_body_0`` of a checkpoint) are graphs too: they are
+    copied the same way, so that rewriting inside them never edits ``gm``'s.
+    """
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     new.training = gm.training  # only the copy's own flag: its submodules are gm's, in their own modes
+    for name in direct_bodies(new):
+        setattr(new, name, copy_graph(getattr(new, name)))
     return new
 
 
@@ -74,6 +84,35 @@ def find_in(gm: fx.GraphModule, example_inputs: Sequence[Any] | None
     ensure_shapes(gm, example_inputs)   # every node gets a (possibly symbolic) shape
     concrete = bind(gm, example_inputs)  # real buffer and input values, for mask proofs
     return concrete, find_sites(gm, concrete)
+
+
+@dataclass
+class Found:
+    """One graph a route rewrites: the captured graph, or a higher-order op body inside it (``body``)."""
+
+    gm: fx.GraphModule
+    concrete: dict[fx.Node, torch.Tensor]
+    found: list[Match | SiteRecord]
+    body: Body | None = None
+
+    def records(self) -> Iterator[SiteRecord]:
+        return (f.record if isinstance(f, Match) else f for f in self.found)
+
+
+def find_everywhere(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> list[Found]:
+    """:func:`find_in` over ``gm`` and then over every higher-order op body it runs, at any depth.
+
+    A body's placeholders are bound to the example values its calls pass (a causal buffer handed to
+    a checkpointed block is proven inside it); its records are named after it (``wrap_body_0_site0``)
+    and say where they are (``record.extra["inside"]``).
+    """
+    concrete, found = find_in(gm, example_inputs)
+    out = [Found(gm, concrete, found)]
+    for body in bodies(gm):  # outer bodies first: a body's shapes follow from those of the graph around it
+        shapes_from_calls(body)
+        inner, there = find_in(body.module, values_of(body, concrete))
+        out.append(Found(body.module, inner, claim(body, there), body))
+    return out
 
 
 def matches(found: list[Match | SiteRecord]) -> list[Match]:
