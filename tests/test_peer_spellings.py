@@ -227,6 +227,26 @@ def test_zero_dim_fill_in_a_causal_gpt2_block_is_proven_causal() -> None:
     assert report.records[0].spec.causal == "top_left", report.records[0].spec.describe()
 
 
+@pytest.mark.parametrize("dtype,fill", [(torch.float16, -1e9), (torch.bfloat16, MIN), (torch.float16, "0-d min")])
+def test_fill_that_overflows_the_scores_dtype_is_minus_inf(dtype: torch.dtype, fill) -> None:
+    """``torch.where`` stores a fill the scores' dtype cannot hold as -inf (``-1e9`` in float16, float32's minimum
+    in bfloat16): a -inf fill, rows with every key hidden NaN as written (it was refused as "a fill of -inf that
+    does not suppress the masked keys"). ``masked_fill`` raises on such values, as written."""
+    def fn(m, q, k, v, keep):
+        f = torch.full((), MIN) if fill == "0-d min" else fill
+        return torch.where(keep, scores(q, k), f).softmax(-1) @ v
+
+    model = Fn(fn)
+    q, k, v = qkv(dtype)
+    report = rewritten_once(model, q, k, v, pad_keep(2), atol=2e-2, rtol=2e-2)
+    assert report.records[0].spec.mask == "bool" and report.records[0].spec.fill_value is None
+    empty = pad_keep(2)
+    empty[0] = False  # batch 0: every key hidden, NaN rows as written
+    opt = attnopt.optimize(model, variant="sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(opt(q, k, v, empty), model(q, k, v, empty), atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
 FILL_LOOKALIKES = {
     # a 0-d parameter: its value may change after capture (and it would get a gradient)
     "parameter_fill": ({"fill": torch.tensor(MIN)}, lambda m, q, k, v, c: torch.where(c, scores(q, k), m.fill),

@@ -960,7 +960,7 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         v = _fill_value(value)
         if v is None or not isinstance(cond, fx.Node):
             raise NearMiss(f"the masked_fill value `{value}` is not a number known at capture{_why_not_fill(value)}")
-        chain.append(("mask", Fill(cond, v, dtype=dtype_of(node))))
+        chain.append(("mask", Fill(cond, _stored(v, dtype_of(node)), dtype=dtype_of(node))))
         record.spelling.append(op.spelling)
         return x
     if k == "unary":
@@ -976,7 +976,8 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
             # the scores' dtype is the result's: a 0-d fill tensor of another category would promote them
             if isinstance(s, fx.Node) and _same_shape(s, node) and dtype_of(s) == dtype_of(node) \
                     and _fill_value(fill) is not None:
-                chain.append(("mask", Fill(cond, _fill_value(fill), keep, dtype_of(node))))  # type: ignore[arg-type]
+                chain.append(("mask", Fill(cond, _stored(_fill_value(fill), dtype_of(node)), keep,  # type: ignore
+                                           dtype_of(node))))
                 record.spelling.append("where" if not isinstance(fill, fx.Node) else "where(0-d fill)")
                 return s
         fill = b if isinstance(a, fx.Node) and _same_shape(a, node) else a
@@ -1034,6 +1035,17 @@ def _fill_value(x: Any) -> float | None:
         return float(convert_scalar(fill, dt))
     except ValueError:
         return None
+
+
+def _stored(value: float, dtype: torch.dtype | None) -> float:
+    """``value`` as a tensor of floating ``dtype`` stores it, which is what the fill writes: ``-1e9`` is ``-inf``
+    in float16, ``finfo(float32).min`` is ``-inf`` in bfloat16 (so they are ``-inf`` fills, not finite ones)."""
+    if dtype is None or not dtype.is_floating_point:
+        return value
+    try:
+        return float(convert_scalar(value, dtype))
+    except ValueError:
+        return value
 
 
 def _why_not_fill(x: Any) -> str:
