@@ -4,5 +4,6 @@
 shape), ``find_sites`` (the matcher: a table of named rules per softmax), ``masks`` (the mask
 planner and its causality proofs), ``rewrite_sdpa`` (each proven site to a site module), ``mha``
 (``nn.MultiheadAttention`` weights no longer read), ``verify`` (rewritten vs original outputs),
-``positions`` (the KV cache's position analysis), ``kv_capture`` (the KV cache's capture).
+``positions`` (the KV cache's position analysis), ``kv_capture`` (the KV cache's capture), ``hop``
+(attention inside higher-order op bodies: activation checkpointing, ``wrap``).
 """

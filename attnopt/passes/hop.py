@@ -26,8 +26,8 @@ the ordinary site call::
     # in the body:
     attnopt_wrap_body_0_site0 = self.attnopt_wrap_body_0_site0(q, k, v, mask, None, None, l_bias_)
 
-Under activation checkpointing each site module becomes its :class:`CheckpointedSite` form (same
-state, one method more: it tunes and checks outside the checkpoint), and guards on module buffers
+Sites tune and check their candidate outside any checkpoint (:func:`attnopt.runtime.dispatch.apart`),
+so the checkpoint's forward and its recomputation run the same operations; guards on module buffers
 passed into a body are pinned like the outer graph's (:func:`settle`). A body's shapes follow what its
 calls pass (:func:`shapes_from_calls`). Sites with dropout under checkpointing are left alone (the
 recomputation would draw other masks; the backend sends such graphs to AOTAutograd as written).
@@ -40,19 +40,15 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ..env import strict_guards
-from ..runtime.dispatch import DispatchingSite
-from ..runtime.guards import BufferGuard, is_tracing
-from ..runtime.site import GUARDED_ARGS_START, AttentionSite, BoundedFillSite
+from ..runtime.guards import BufferGuard
+from ..runtime.site import GUARDED_ARGS_START, AttentionSite
 from ..spec import LEFT_ALONE, REWRITTEN, SiteRecord
 from .canon import meta_value
 from .find_sites import Match, place_of
@@ -298,9 +294,10 @@ def rename_rewritten(gm: fx.GraphModule) -> list[str]:
 def settle(body: Body) -> int:
     """After the rewrite: give ``body``'s sites what running inside it needs; how many sites it has.
 
-    * A guard on a tensor that is module state at every call (a causal ``bias`` buffer) is pinned to
-      the tensor object and its version, as in the outer graph, instead of re-read on every call;
-    * under activation checkpointing, each site becomes its :class:`CheckpointedSite` form.
+    A guard on a tensor that is module state at every call (a causal ``bias`` buffer) is pinned to
+    the tensor object and its version, as in the outer graph, instead of re-read on every call. (Sites
+    under activation checkpointing need nothing more: every site tunes and checks its candidate outside
+    any checkpoint, see :func:`attnopt.runtime.dispatch.apart`.)
     """
     gm = body.module
     count = 0
@@ -315,97 +312,8 @@ def settle(body: Body) -> int:
             roots = body.sources.get(arg, [None]) if isinstance(arg, fx.Node) else [None]
             if isinstance(g, BufferGuard) and all(r is not None and not is_call_input(r) for r in roots):
                 g.strict = strict_guards()
-        if body.checkpointed and not isinstance(site, CheckpointedSite):
-            cls = _CHECKPOINTED.get(type(site))
-            if cls is None:
-                raise TypeError(f"attnopt: the site module {node.target} ({type(site).__name__}) inside "
-                                f"{body.where} has no checkpointed form; add one to passes/hop.py")
-            site.__class__ = cls  # same state; torch.nn.utils.parametrize swaps classes the same way
-            site.warmed = set()
     return count
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@contextlib.contextmanager
-def apart(device: torch.device) -> Iterator[None]:
-    """Work that is not the model's (a tuning, a reference check) outside an enclosing checkpoint.
-
-    Its saved tensors skip the checkpoint's saved-tensor hooks, its operations the selective-checkpoint
-    dispatch modes, and the random state is restored after it.
-    """
-    devices = [device] if device.type == "cuda" else []
-    with torch.autograd.graph.saved_tensors_hooks(_same, _same), _disable_current_modes(), \
-            torch.random.fork_rng(devices=devices):
-        yield
-
-
-def _alias(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    a = x.detach()
-    return a.requires_grad_() if x.requires_grad else a
-
-
-def _meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
-    try:
-        hash(x)
-    except TypeError:
-        return (type(x), id(x))
-    return x
-
-
-def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> tuple:
-    """Everything a site's choice and reference check are keyed by, and more: grad mode, the tensors'
-    shapes, strides, dtypes, devices and ``requires_grad``, every other argument."""
-    return (torch.is_grad_enabled(), _meta(q), _meta(k), _meta(v),
-            *sorted(((n, _meta(a)) for n, a in kwargs.items()), key=lambda t: t[0]))
-
-
-class CheckpointedSite(DispatchingSite):
-    """A site inside activation checkpointing: it chooses and checks its candidate outside the checkpoint.
-
-    On the first call with a new signature a site tunes (``"auto"``) and checks its candidate against
-    the reference computation, with autograd passes of its own. Inside a checkpointed region those
-    passes would run under the checkpoint's saved-tensor hooks: an ``autograd.grad`` there starts
-    the checkpoint's recomputation in the middle of the forward, and the forward saves more tensors
-    than the recomputation in the backward (which finds the choice made), so the backward raises.
-    So on each new :func:`signature` this site first runs the call once :func:`apart`, on aliases of
-    its inputs; the call itself then finds its choice and check done, and runs the same operations
-    in the forward and in the recomputation. Cost: one more attention call per new signature.
-    """
-
-    warmed: set[tuple]
-
-    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        if self.tuning_run or not is_tracing(q):
-            key = signature(q, k, v, kwargs)
-            if key not in self.warmed:
-                with apart(q.device):
-                    super().run_candidate(_alias(q), _alias(k), _alias(v), {n: _alias(a) for n, a in kwargs.items()})
-                self.warmed.add(key)
-        return super().run_candidate(q, k, v, kwargs)
-
-    def forget_choices(self) -> None:
-        super().forget_choices()
-        self.warmed.clear()
-
-
-class CheckpointedAttentionSite(AttentionSite, CheckpointedSite):
-    """An :class:`AttentionSite` inside activation checkpointing (see :class:`CheckpointedSite`)."""
-
-
-class CheckpointedBoundedFillSite(BoundedFillSite, CheckpointedSite):
-    """A :class:`BoundedFillSite` inside activation checkpointing (see :class:`CheckpointedSite`)."""
-
-
-_CHECKPOINTED: dict[type, type] = {AttentionSite: CheckpointedAttentionSite,
-                                   BoundedFillSite: CheckpointedBoundedFillSite}
-
-__all__ = ["REWRITTEN_INSIDE", "Body", "CheckpointedAttentionSite", "CheckpointedBoundedFillSite",
-           "CheckpointedSite", "apart", "bodies", "claim", "direct_bodies", "note_inside", "operands",
-           "rename_rewritten", "settle", "shapes_from_calls", "signature", "values_of"]
+__all__ = ["REWRITTEN_INSIDE", "Body", "bodies", "claim", "direct_bodies", "note_inside", "operands",
+           "rename_rewritten", "settle", "shapes_from_calls", "values_of"]

@@ -38,12 +38,15 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..env import AUTO
 from ..kernels.reference import reference_attention, tolerance
@@ -166,7 +169,8 @@ class DispatchingSite(nn.Module):
             entry = self.tuning.get(key)
             if entry is None:
                 try:
-                    entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+                    with apart(q.device):  # the tuning's own calls are not the model's
+                        entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
                 except Exception as e:  # noqa: BLE001 - tuning is an optimisation; never break the forward
                     fallback = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
                     warnings.warn(f"attnopt: could not tune {self.site_name} ({self.where}) for {key.describe()}: "
@@ -197,7 +201,8 @@ class DispatchingSite(nn.Module):
                                    dropout=kwargs["dropout_p"] > 0, grad=grad))
             served = self._checked.get(key)
             if served is None:
-                served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
+                with apart(q.device):  # the check's own calls are not the model's
+                    served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
             if len(self._served) > _TABLE_LIMIT:
                 self._served.clear()
             self._served[fast] = served
@@ -299,3 +304,23 @@ def _compare_with_reference(fn: Any, spec: AttentionSpec, q: torch.Tensor, k: to
 
 
 __all__ = ["DispatchingSite", "candidate_layout", "needs_grad"]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def apart(device: torch.device) -> Iterator[None]:
+    """Work that is not the model's (a tuning, a reference check) apart from the model's own autograd state.
+
+    Its saved tensors skip any enclosing saved-tensor hooks (activation checkpointing's: an
+    ``autograd.grad`` under them would start the checkpoint's recomputation mid-forward, and the forward
+    would save more than its recomputation), its operations skip the active dispatch modes (selective
+    checkpointing's), and the random state is restored after it. So a checkpointed forward and its
+    recomputation run the same operations, whether or not a site tuned or checked in between.
+    """
+    devices = [device] if device.type == "cuda" else []
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same), _disable_current_modes(), \
+            torch.random.fork_rng(devices=devices):
+        yield
