@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..spec import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod, Refusal, SiteRecord
 from .canon import (
@@ -107,6 +108,13 @@ class Match:
     internal: list[fx.Node] = field(default_factory=list)
     score_mod: ElementwiseScoreMod | None = None
     v_transposed: bool = False  # the site wrote ``v^T @ P^T``: v is [.., Dv, Tk], the output [.., Dv, Tq]
+    #: method calls ``(name, args)`` that bring q, k, v to the site's layout and its output back to the layout
+    #: of ``P @ V``, when views of the scores or probabilities fold or unfold their leading axes (see
+    #: :func:`relayout`); an argument :class:`SizeOf` is a size read at run time
+    q_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    k_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    v_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    out_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
 
 class NearMiss(Refusal):
@@ -267,6 +275,211 @@ def _scale_value(x: Any) -> float | torch.SymFloat | None:
     return None
 
 
+# ----------------------------------------------------------------------------- layouts
+
+@dataclass(frozen=True)
+class SizeOf:
+    """``node.size(dim)``, read at run time (an argument of a :data:`Match` relayout step)."""
+
+    node: fx.Node
+    dim: int
+
+
+#: The views that re-index a tensor in row-major order (``view``, ``reshape`` and ``unsqueeze``, as methods,
+#: functions and ATen ops, ``_unsafe_view`` included); ``expand``/``broadcast_to`` only to the same shape.
+_REINDEX = frozenset(("view", "reshape", "unsqueeze", torch.reshape, torch.unsqueeze, torch.ops.aten.view.default,
+                      torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                      torch.ops.aten.unsqueeze.default))
+
+
+def _lead_product(dims: tuple[Any, ...]) -> Any:
+    return math.prod(dims, start=1)
+
+
+def fold_view(node: fx.Node, what: str) -> fx.Node:
+    """The input of ``node``, a view of the attention scores (or probabilities) that is transparent to attention:
+    it keeps the key axis last and the query axis second-to-last with their sizes, and only folds or unfolds the
+    leading (batch, head) axes, ``(B*H, T, S) <-> (B, H, T, S)``.
+
+    A view re-indexes in row-major order, so with the last two sizes kept, element ``[..., t, s]`` of leading
+    block ``i`` (counted row-major) is element ``[..., t, s]`` of block ``i`` after it: every row stays a row,
+    every block a block. An ``expand`` to the same shape changes nothing. Raises :class:`NearMiss` naming what
+    the view changes otherwise (the key axis, the query axis, a broadcast, an unprovable factorisation)."""
+    op = read(node)
+    assert op is not None and op.kind == "view"
+    src, out = shape_of(op.args[0]), shape_of(node)
+    where = f"{op.spelling}{_at(node)}"
+    if src is None or out is None:
+        raise NearMiss(f"the {what} pass through {where} whose shapes are unknown")
+    if len(src) == len(out) and all(same(a, b) for a, b in zip(src, out)):
+        return op.args[0]  # the same shape: no change at all
+    try:
+        reindex = node.target in _REINDEX
+    except TypeError:
+        reindex = False
+    if not reindex:
+        raise NearMiss(f"the {what} are broadcast by {where} from {list(src)} to {list(out)} between the product "
+                       "and the product with values", NOT_ATTENTION)
+    if len(src) < 2 or len(out) < 2:
+        raise NearMiss(f"the {what} pass through {where}, {list(src)} -> {list(out)}: it folds the query axis "
+                       "into the batch (only views that keep the query and key axes are read)", NOT_ATTENTION)
+    if not same(src[-1], out[-1]):
+        raise NearMiss(f"the {what} pass through {where}, {list(src)} -> {list(out)}: it changes the key axis "
+                       f"(last, size {src[-1]}) to size {out[-1]}", NOT_ATTENTION)
+    if not same(src[-2], out[-2]) and (same(out[-2], _lead_product(tuple(src[:-1])))
+                                       or same(src[-2], _lead_product(tuple(out[:-1])))):
+        raise NearMiss(f"the {what} pass through {where}, {list(src)} -> {list(out)}: it folds the query axis "
+                       "into the batch (or out of it); only views that keep the query and key axes are read",
+                       NOT_ATTENTION)
+    if not same(src[-2], out[-2]):
+        raise NearMiss(f"the {what} pass through {where}, {list(src)} -> {list(out)}: it does not keep the query "
+                       f"axis (second to last, size {src[-2]}) in place (it splits, folds or swaps it)",
+                       NOT_ATTENTION)
+    # A view keeps the element count, so with (T, S) kept and T * S > 0 the leading dims hold as many blocks
+    # (sympy need not factor ``(s0 // 3) * (s0 // (s0 // 3))``); otherwise their products must be provably equal.
+    if not (_positive(src[-1] * src[-2]) or same(_lead_product(tuple(src[:-2])), _lead_product(tuple(out[:-2])))):
+        raise NearMiss(f"the {what} pass through {where}, {list(src)} -> {list(out)}, whose leading dims cannot be "
+                       "proven to hold the same number of blocks", NOT_ATTENTION)
+    return op.args[0]
+
+
+def _positive(x: Any) -> bool:
+    if isinstance(x, int):
+        return x > 0
+    try:
+        return bool(statically_known_true(x > 0))
+    except Exception:  # noqa: BLE001 - an unprovable comparison is simply not proven
+        return False
+
+
+def _not_one(x: Any) -> bool:
+    """``x`` is provably not 1: a mask dim of that size that broadcasts against the scores equals theirs."""
+    if isinstance(x, int):
+        return x != 1
+    try:
+        return bool(statically_known_true(x != 1))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The leading (batch, head) dims of the scores at one point of a site: ``shape`` as ``node.meta`` has them
+    (ints or SymInts), ``sizes`` the same as values the rewrite can pass at run time (an int, a SymInt node, a
+    :class:`SizeOf`), None where unknown (a ``-1`` in a view)."""
+
+    shape: tuple[Any, ...]
+    sizes: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, node: fx.Node, anchor: fx.Node | None = None) -> Layout:
+        """The layout of ``node``'s result; sizes from ``anchor``'s (a tensor the site keeps, with the same leading
+        dims) or from the shape a view was given."""
+        shape = tuple((shape_of(node) or ())[:-2])
+        given: list[Any] = [None] * len(shape)
+        if anchor is not None:
+            given = [SizeOf(anchor, i) for i in range(len(shape))]
+        elif node.op in ("call_method", "call_function") and node.target in ("view", "reshape", torch.reshape,
+                                                                              torch.ops.aten.view.default,
+                                                                              torch.ops.aten.reshape.default,
+                                                                              torch.ops.aten._unsafe_view.default):
+            args = list(node.args[1:])
+            if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)):
+                args = list(args[0])
+            if len(args) == len(shape) + 2:
+                given = [a if isinstance(a, fx.Node) or (isinstance(a, int) and a >= 0) else None for a in args[:-2]]
+        sizes = tuple(d if type(d) is int else g for d, g in zip(shape, given))
+        return cls(shape, sizes)
+
+    def same_as(self, other: Layout) -> bool:
+        return len(self.shape) == len(other.shape) and all(same(a, b) for a, b in zip(self.shape, other.shape))
+
+    def resolved(self, anchors: list[Layout]) -> Layout:
+        """Unknown sizes read from an anchor layout's dim of provably the same size."""
+        sizes = list(self.sizes)
+        for i, (d, g) in enumerate(zip(self.shape, sizes)):
+            if g is None:
+                sizes[i] = next((a.sizes[j] for a in anchors for j, e in enumerate(a.shape)
+                                 if a.sizes[j] is not None and same(d, e)), None)
+        return Layout(self.shape, tuple(sizes))
+
+    def __str__(self) -> str:
+        return str(list(self.shape))
+
+
+def _groups(src: tuple[Any, ...], dst: tuple[Any, ...]) -> list[tuple[int, int]] | None:
+    """Consecutive runs of ``src`` dims whose products are the ``dst`` dims (``dst`` folds ``src``), else None."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    for d in dst:
+        a, p = i, 1
+        while i < len(src):
+            p = p * src[i]
+            i += 1
+            if same(p, d):
+                break
+        else:
+            return None
+        out.append((a, i - 1))
+    while out and i < len(src) and same(src[i], 1):
+        out[-1] = (out[-1][0], i)
+        i += 1
+    return out if i == len(src) and out else None
+
+
+def relayout(lead: tuple[Any, ...], src: Layout, dst: Layout, what: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """Method calls that bring a tensor of leading dims ``lead`` (broadcast against the scores in layout ``src``:
+    each dim 1 or ``src``'s) to layout ``dst``, where it broadcasts the same way against the same scores.
+
+    A dim of 1 everywhere stays broadcast; dims ``dst`` folds together are flattened (expanded first where only
+    some of them are broadcast); otherwise the tensor is expanded to ``src`` (only where broadcast), flattened
+    and unflattened to ``dst``. Example: ``(B*H, 1, S)`` from ``(B*H,)`` to ``(B, H)`` is ``unflatten(0, (B, H))``;
+    Swin's ``(1, nW, 1, N, N)`` from ``(B, nW, H)`` to ``(B*nW, H)`` is ``expand(B, -1, -1, -1, -1)`` then
+    ``flatten(0, 1)``."""
+    s, d = src.shape, dst.shape
+    if len(lead) > len(s):
+        raise NearMiss("the mask has more dims than the scores")
+    if src.same_as(dst):
+        return ()
+    if all(same(x, 1) for x in lead):
+        return () if len(lead) <= len(d) else (("flatten", (0, len(lead) - 1)),)
+    steps: list[tuple[str, tuple[Any, ...]]] = [("unsqueeze", (0,))] * (len(s) - len(lead))
+    lead = (1,) * (len(s) - len(lead)) + tuple(lead)
+    # a dim that is not 1 broadcasts against the scores' (the code as written added it) only by being equal
+    full = [same(x, a) or _not_one(x) for x, a in zip(lead, s)]
+    if not all(f or same(x, 1) for f, x in zip(full, lead)):
+        raise NearMiss(f"{what} has leading dims {list(lead)} that may or may not be broadcast against the scores' "
+                       f"{src}")
+
+    def size(i: int) -> Any:
+        if src.sizes[i] is None:
+            raise NearMiss(f"{what}, applied to the scores viewed with leading dims {src}, must be expanded to "
+                           f"them, and size {i} of that view is not known at run time (a -1)")
+        return src.sizes[i]
+
+    def expand(dims: list[int]) -> None:
+        if dims:
+            steps.append(("expand", tuple(size(i) if i in dims else -1 for i in range(len(s))) + (-1, -1)))
+
+    groups = _groups(s, d)
+    if groups is not None:  # dst folds runs of src: flatten each run, expanding runs only partly broadcast
+        expand([i for a, b in groups if not all(full[a:b + 1]) and not all(same(x, 1) for x in lead[a:b + 1])
+                for i in range(a, b + 1) if not full[i]])
+        steps.extend(("flatten", (a, b)) for a, b in reversed(groups) if b > a)
+        return tuple(steps)
+    if not d:
+        raise NearMiss(f"{what} cannot be brought from leading dims {src} to none")
+    expand([i for i, f in enumerate(full) if not f])
+    if len(s) > 1:
+        steps.append(("flatten", (0, len(s) - 1)))
+    if len(d) > 1:
+        sizes = [-1 if g is None else g for g in dst.sizes]
+        if sizes.count(-1) > 1:
+            raise NearMiss(f"{what} must be brought to leading dims {dst}, whose sizes are not known at run time")
+        steps.append(("unflatten", (0, tuple(sizes))))
+    return tuple(steps)
+
+
 # ----------------------------------------------------------------------------- the rules
 
 @dataclass
@@ -289,6 +502,7 @@ class _Partial:
     pv: fx.Node | None = None
     v: Any = None
     v_transposed: bool = False
+    views: list[fx.Node] = field(default_factory=list)  # views that fold/unfold leading axes, in program order
     # backward: scores <- product
     chain: list[tuple[str, Any]] = field(default_factory=list)  # (kind, payload) in program order
     product: fx.Node | None = None
@@ -300,6 +514,7 @@ class _Partial:
     scale_tensors: list[tuple[Any, str]] = field(default_factory=list)
     scale_nodes: list[tuple[Any, str]] = field(default_factory=list)
     masks: list[Any] = field(default_factory=list)
+    mask_layouts: list[Layout] = field(default_factory=list)  # the layout each mask term was applied in
     mods: list[tuple[Any, ...]] = field(default_factory=list)
     score_mod: ElementwiseScoreMod | None = None
     # operands
@@ -315,6 +530,8 @@ class _Partial:
     v_src: Any = None
     plan: MaskPlan | None = None
     q_dtype: torch.dtype | None = None
+    site_lead: int | None = None  # the site's number of leading dims, when views changed them
+    relayouts: tuple[Any, ...] = ((), (), (), ())  # q, k, v, out (see Match)
     match: Match | None = None
 
 
@@ -351,6 +568,12 @@ def _forward_to_pv(st: _Partial) -> None:
                            NOT_ATTENTION if cur is st.softmax else LEFT_ALONE)
         if op.kind in ("cast", "identity", "dropout") and op.args[0] is cur:
             _transparent_step(st, user, op)
+            cur = user
+        elif op.kind == "view" and op.args[0] is cur:
+            if not _same_shape(fold_view(user, "probabilities"), user):  # folds/unfolds leading axes, else refused
+                st.views.append(user)
+            st.record.spelling.append(op.spelling)
+            st.internal.append(user)
             cur = user
         elif op.kind == "transpose" and op.args[0] is cur and (op.args[1], op.args[2]) == (st.nd - 2, st.nd - 1):
             _transposed_pv(st, cur, user, op)
@@ -417,6 +640,16 @@ def _back_to_product(st: _Partial) -> None:
         if op.kind == "baddbmm":
             _baddbmm_terms(op, chain, record)
             break
+        if op.kind == "view":
+            nxt = fold_view(cur, "scores")  # only folds or unfolds leading axes, else refused
+            chain.append(("view", cur))
+            record.spelling.append(op.spelling)
+            if not _same_shape(nxt, cur):
+                st.views.insert(0, cur)
+            st.internal.append(cur)
+            _only_user(nxt, "attention scores")
+            cur = nxt
+            continue
         nxt = _step_back(op, cur, chain, record)
         if nxt is None:
             if op.kind == "matmul":
@@ -443,13 +676,25 @@ def _casts(st: _Partial) -> None:
 
 def _scale_mods_masks(st: _Partial) -> None:
     """The chain in program order: one scalar scale, an elementwise score modifier before any mask, then the
-    masks (a constant positive factor may follow them)."""
+    masks (a constant positive factor may follow them). Each mask keeps the layout of the scores it was
+    applied to (views may fold or unfold their leading axes); a per-head factor tensor is applied in the
+    product's layout."""
+    product_layout = layout = Layout.of(st.product)
     for kind, payload in st.chain:
-        if kind == "mod":
+        if kind == "view":
+            layout = Layout.of(payload)
+        elif kind == "mod":
             _add_mod(st, payload)
         elif kind == "mask":
             st.masks.append(payload)
+            st.mask_layouts.append(layout)
         elif kind == "scale":
+            factor = payload[0]
+            if isinstance(factor, fx.Node) and not is_zero_dim_tensor(factor) and _scale_value(factor) is None \
+                    and not layout.same_as(product_layout):
+                raise NearMiss(f"the scores are scaled by the tensor `{factor.name}` in a view of them "
+                               f"(leading dims {layout}, the product's {product_layout}); only per-head factors "
+                               "applied in the product's layout are rewritten")
             _add_scale(st, *payload)
     if not math.isfinite(st.scale):
         raise NearMiss(f"the scale {st.scale} is not finite")
@@ -526,7 +771,11 @@ def _operand_shapes(st: _Partial) -> None:
         v_shape, out_shape = _t_shape(v_shape), _t_shape(out_shape)
     if key_shape is None or q_shape is None or v_shape is None or out_shape is None:
         raise NearMiss("missing shape information for q, k or v")
-    if not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):
+    if st.views:  # the site's layout is chosen below (_relayouts); v has the probabilities' leading dims
+        if not (len(q_shape) == len(key_shape) and 2 <= len(q_shape) <= 6 and 2 <= len(v_shape) <= 6):
+            raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; with views of the "
+                           "scores, q and k of one rank (2 to 6) are rewritten")
+    elif not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):
         raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; "
                        "equal ranks of 2 to 4 are rewritten")
     st.key_shape, st.q_shape, st.v_shape, st.out_shape = key_shape, q_shape, v_shape, out_shape
@@ -543,6 +792,15 @@ def _heads(st: _Partial) -> None:
     query head, or heads that ``repeat_kv`` (``repeat_interleave``, ``expand``) shares in groups."""
     q_shape, key_shape, v_shape = st.q_shape, st.key_shape, st.v_shape
     st.k_src, st.v_src = st.k, st.v
+    if st.views:
+        # viewed scores: the products broadcast nothing, so q, k and v are brought to the site's layout whole
+        lp, lv = shape_of(st.product)[:-2], shape_of(_p_operand(st))[:-2]  # type: ignore[index]
+        if st.v_transposed or not (_same_dims(q_shape[:-2], lp) and _same_dims(key_shape[:-2], lp)
+                                   and _same_dims(v_shape[:-2], lv)):
+            raise NearMiss(f"the scores are viewed (leading axes folded or unfolded) and batch/head dims of q "
+                           f"{list(q_shape[:-2])}, k {list(key_shape[:-2])} and v {list(v_shape[:-2])} are broadcast "
+                           "inside a product (or v is transposed); with such views only equal ones are rewritten")
+        return
     heads_differ = not all(same(a, b) for a, b in zip(q_shape[:-2], key_shape[:-2])) or \
         not all(same(a, b) for a, b in zip(q_shape[:-2], v_shape[:-2]))
     if heads_differ and len(q_shape) == 4 and same(q_shape[0], key_shape[0]) and same(q_shape[0], v_shape[0]) \
@@ -569,18 +827,63 @@ def _masks(st: _Partial) -> None:
     """passes/masks.py reads the masks as one SDPA mask; each has no more dims than the scores, and an
     additive one the scores' dtype (or bool/integer, which the sum promotes: :func:`promoted_mask`); an
     ``aten._safe_softmax`` has no row that the mask may hide entirely (:func:`_safe_rows`)."""
+    if st.views:
+        _relayouts(st)
     plan = plan_mask(st.masks, st.tq, st.tk, dtype_of(st.scores_in), st.gm, st.concrete)
     if isinstance(plan, str):
         raise NearMiss(plan)
     st.plan = plan
-    for t in st.masks:
+    for t, layout in zip(st.masks, st.mask_layouts):
         m = t.mask if isinstance(t, Add) else t.cond
         ms = shape_of(m)
-        if ms is None or len(ms) > st.nd:
+        if ms is None or len(ms) > len(layout.shape) + 2:
             raise NearMiss("the mask has more dims than the scores")
         if isinstance(t, Add) and dtype_of(m) != dtype_of(st.product) and not promoted_mask(t, dtype_of(st.product)):
             raise NearMiss(f"the additive mask has dtype {dtype_of(m)} but the scores {dtype_of(st.product)}")
     _safe_rows(st)
+
+
+def _p_operand(st: _Partial) -> fx.Node:
+    """The probabilities as ``P @ V`` reads them."""
+    op = read(st.pv, st.gm)
+    assert op is not None
+    return op.args[1] if st.v_transposed else op.args[0]
+
+
+def _same_dims(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def _relayouts(st: _Partial) -> None:
+    """Views fold or unfold the scores' leading axes: choose the site's layout and bring every mask term, q, k, v
+    (and the output, back) to it. The site's layout is the one a partly broadcast mask was added in (so it is
+    not expanded), else the one with the most leading dims up to two (q, k, v as candidates take them, 4-D)."""
+    product = Layout.of(st.product, anchor=st.q)
+    pv = Layout.of(_p_operand(st), anchor=st.v)
+    anchors = [product, pv]
+    layouts = [product, *(Layout.of(n).resolved(anchors) for n in st.views), pv]
+    st.mask_layouts = [m.resolved(anchors) for m in st.mask_layouts]
+
+    def lead(t: Any) -> tuple[Any, ...]:
+        return tuple((shape_of(t.mask if isinstance(t, Add) else t.cond) or ())[:-2])
+
+    def partly(t: Any, layout: Layout) -> bool:
+        dims = (1,) * (len(layout.shape) - len(lead(t))) + lead(t)
+        return not all(same(x, 1) for x in dims) and not all(same(x, a) or _not_one(x)
+                                                             for x, a in zip(dims, layout.shape))
+
+    within = [m for t, m in zip(st.masks, st.mask_layouts) if partly(t, m) and len(m.shape) <= 2]
+    fits = [m for m in layouts if len(m.shape) <= 2]
+    if not within and not fits:
+        raise NearMiss(f"the scores have more than two leading dims in every view of them ({layouts[0]}); "
+                       "q, k and v of rank 4 at most are rewritten")
+    site = within[0] if within else max(fits, key=lambda m: len(m.shape))
+    st.masks = [replace(t, relayout=relayout(lead(t), m, site, "the mask"))
+                for t, m in zip(st.masks, st.mask_layouts)]
+    st.relayouts = (relayout(product.shape, product, site, "q"), relayout(product.shape, product, site, "k"),
+                    relayout(pv.shape, pv, site, "v"), relayout(site.shape, site, pv, "the output"))
+    st.site_lead = len(site.shape)
+    st.record.spelling.append(f"viewed: site layout {site}")
 
 
 def promoted_mask(t: Add, scores_dtype: torch.dtype | None) -> bool:
@@ -660,7 +963,8 @@ def _assemble(st: _Partial) -> None:
         scale=float(st.scale), mask=plan.kind, causal=plan.causal, nan_rows=plan.nan_rows,
         dropout_p=float(dropout[0]) if dropout[1] != "off" and not runtime_p else 0.0, dropout_mode=dropout[1],
         runtime_scale=bool(st.scale_nodes), runtime_dropout=runtime_p, min_rows=plan.min_rows,
-        gqa=st.gqa, ndim=len(st.q_shape), compute_dtype=st.q_dtype, out_dtype=dtype_of(st.pv),  # type: ignore
+        gqa=st.gqa, ndim=len(st.q_shape) if st.site_lead is None else st.site_lead + 2,
+        compute_dtype=st.q_dtype, out_dtype=dtype_of(st.pv),  # type: ignore
         score_mod=st.score_mod.describe() if st.score_mod is not None else None, fill_value=plan.bound_fill,
         window=plan.window, conditions=len(plan.conditions),
     )
@@ -672,7 +976,9 @@ def _assemble(st: _Partial) -> None:
                      k_t=st.k_t if st.k is None else None, v=st.v_src, spec=spec, mask=plan,
                      scale_tensors=st.scale_tensors, scale_nodes=st.scale_nodes,
                      dropout_p=dropout[0] if runtime_p else None, dropout_module=st.dropout_module,
-                     internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed)
+                     internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed,
+                     q_relayout=st.relayouts[0], k_relayout=st.relayouts[1], v_relayout=st.relayouts[2],
+                     out_relayout=st.relayouts[3])
 
 
 def _no_write_in_window(st: _Partial) -> None:
@@ -1129,7 +1435,7 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
             return False
         if op.kind in ("matmul", "baddbmm"):
             return True
-        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary") or (
+        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary", "view") or (
                 op.kind == "sub" and not isinstance(op.args[1], fx.Node)):
             cur = op.args[0]
         elif op.kind == "where":
@@ -1244,5 +1550,5 @@ def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None 
     return out
 
 
-__all__ = ["REFUSALS", "RULES", "Match", "NearMiss", "find_sites", "match_site", "promoted_mask",
-           "reads_only_shape"]
+__all__ = ["REFUSALS", "RULES", "Layout", "Match", "NearMiss", "SizeOf", "find_sites", "fold_view", "match_site",
+           "promoted_mask", "reads_only_shape", "relayout"]

@@ -49,6 +49,9 @@ class Fill:
     value: float
     keep_when_true: bool = False
     dtype: torch.dtype | None = None  # of the filled scores (a later cast may change the softmax input's)
+    #: method calls ``(name, args)`` that bring ``cond`` from the layout of the scores it was applied to (a
+    #: view that folds or unfolds their leading axes) to the site's layout; empty when they are the same
+    relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Add:
     mask: fx.Node
     factor: float = 1.0
     dtype: torch.dtype | None = None  # the sum's: a bool or integer mask is converted to it (type promotion)
+    relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # as for :class:`Fill`
 
 
 @dataclass

@@ -27,8 +27,21 @@ from ..runtime.guards import BufferGuard, ConditionGuard
 from ..runtime.site import AttentionSite, BoundedFillSite
 from ..spec import REWRITTEN
 from .canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value, shape_of
-from .find_sites import Match, reads_only_dtype, reads_only_shape
+from .find_sites import Match, SizeOf, reads_only_dtype, reads_only_shape
 from .masks import Add, Fill
+
+
+def _relaid(graph: fx.Graph, x: fx.Node, steps: tuple[tuple[str, tuple[Any, ...]], ...]) -> fx.Node:
+    """``x`` brought to the site's layout by ``steps`` (``find_sites.relayout``: ``unflatten(0, (B, H))``, ...);
+    a :class:`SizeOf` argument is read from its tensor at run time."""
+    def value(a: Any) -> Any:
+        if isinstance(a, SizeOf):
+            return graph.call_method("size", (a.node, a.dim))
+        return tuple(value(e) for e in a) if isinstance(a, tuple) else a
+
+    for name, args in steps:
+        x = graph.call_method(name, (x, *(value(a) for a in args)))
+    return x
 
 
 def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
@@ -40,13 +53,14 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     mask: fx.Node | None = None
     if plan.kind == "bool":
         for t in plan.terms:
-            keep = t.cond if t.keep_when_true else graph.call_function(torch.logical_not, (t.cond,))
+            cond = _relaid(graph, t.cond, t.relayout)
+            keep = cond if t.keep_when_true else graph.call_function(torch.logical_not, (cond,))
             mask = keep if mask is None else graph.call_function(torch.logical_and, (mask, keep))
         return mask
     dtype = m.spec.compute_dtype
     for t in plan.terms:
         if isinstance(t, Add):
-            added = t.mask
+            added = _relaid(graph, t.mask, t.relayout)
             md = dtype_of(t.mask)
             if md is not None and not md.is_floating_point and t.dtype is not None:
                 added = graph.call_method("to", (added, t.dtype))  # a bool/int mask, as type promotion adds it
@@ -54,7 +68,8 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
             mask = added if mask is None else graph.call_function(operator.add, (mask, added))
         elif isinstance(t, Fill):
             keep = t.keep_when_true
-            filled_when = t.cond if not keep else graph.call_function(torch.logical_not, (t.cond,))
+            cond = _relaid(graph, t.cond, t.relayout)
+            filled_when = cond if not keep else graph.call_function(torch.logical_not, (cond,))
             # a bounded finite fill reaches the candidate as the dtype's minimum (BoundedFillSite)
             value = torch.finfo(dtype).min if plan.bound_fill is not None else t.value
             if mask is None:
@@ -78,7 +93,8 @@ def _emit_filled(graph: fx.Graph, m: Match) -> fx.Node | None:
         return None
     out: fx.Node | None = None
     for t in fills:
-        cond = t.cond if not t.keep_when_true else graph.call_function(torch.logical_not, (t.cond,))
+        cond = _relaid(graph, t.cond, t.relayout)
+        cond = cond if not t.keep_when_true else graph.call_function(torch.logical_not, (cond,))
         out = cond if out is None else graph.call_function(torch.logical_or, (out, cond))
     return out
 
@@ -134,6 +150,7 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 else:  # a per-head factor: folded into q, so gradients still reach it
                     q = graph.call_function(operator.mul if how == "mul" else operator.truediv, (q, factor))
             k = m.k if m.k is not None else graph.call_method("transpose", (m.k_t, -2, -1))
+            q, k = _relaid(graph, q, m.q_relayout), _relaid(graph, k, m.k_relayout)  # to the site's layout
             mask = _emit_mask(graph, m)
             guards = []
             guard_nodes: list[fx.Node] = []
@@ -164,12 +181,14 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             filled = _emit_filled(graph, m) if mask is not None else None
             gm.add_submodule(name, site.train(gm.training))
             v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
+            v = _relaid(graph, v, m.v_relayout)
             extra = {"filled": filled} if filled is not None else {}
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor
             new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
             if m.v_transposed:
                 new = graph.call_method("transpose", (new, -2, -1))
+            new = _relaid(graph, new, m.out_relayout)  # back to the layout of P @ V as written
         for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
             if key in m.output.meta:
                 new.meta[key] = m.output.meta[key]
