@@ -312,3 +312,30 @@ def test_hf_models_with_viewed_scores_are_rewritten_outputs_and_grads_equal(buil
         assert (a is None) == (b is None)
         if b is not None:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_views_with_unprovable_symbolic_sizes_are_refused() -> None:
+    """A view whose query size, or (with T * S possibly 0) leading product, cannot be proven kept is refused."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from attnopt.passes.find_sites import NearMiss
+
+    env = ShapeEnv()
+    b, c, t = (env.create_unbacked_symint() for _ in range(3))
+    with FakeTensorMode(shape_env=env):
+        src = torch.empty(b * 4, t, 5)
+        cases = {"query": (torch.empty(b, 4, c, 5), "does not keep the query axis"),
+                 "blocks": (torch.empty(c, 4, t, 5), "cannot be proven to hold the same number of blocks"),
+                 "kept": (torch.empty(b, 4, t, 5), None)}
+    for out, why in cases.values():
+        g = fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_method("view", (x, 1, 4, 1, 5))
+        x.meta["val"], y.meta["val"] = src, out
+        if why is None:
+            assert fold_view(y, "scores") is x
+        else:
+            with pytest.raises(NearMiss, match=why):
+                fold_view(y, "scores")

@@ -883,7 +883,7 @@ def _relayouts(st: _Partial) -> None:
     st.relayouts = (relayout(product.shape, product, site, "q"), relayout(product.shape, product, site, "k"),
                     relayout(pv.shape, pv, site, "v"), relayout(site.shape, site, pv, "the output"))
     st.site_lead = len(site.shape)
-    st.record.spelling.append(f"viewed: site layout {site}")
+    st.record.spelling.append(f"leading axes viewed (site {len(site.shape) + 2}-D)")
 
 
 def promoted_mask(t: Add, scores_dtype: torch.dtype | None) -> bool:
