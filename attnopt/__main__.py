@@ -3,6 +3,7 @@
     $ attnopt demo                 # optimize the built-in NanoGPT, print measured speed/memory and explain()
     $ attnopt demo --seq-len 512 --layers 2
     $ attnopt profile nanogpt --seq-lens 128,512 --phase both --out prof/   # sweep: table, report.json, plots
+    $ attnopt profile compare before/report.json after/report.json        # what changed; exit 1 on a regression
 
 Each subcommand lives in its own module and contributes ``add_arguments(parser)`` and
 ``main(args) -> int``; add new ones to ``_COMMANDS``.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # name -> (module, one-line help); modules are imported only when their command runs.
 _COMMANDS = {
@@ -33,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["profile", "compare"]:  # `attnopt profile compare OLD NEW`: two reports, not a SPEC
+        return int(importlib.import_module("attnopt.profiling.compare").main(argv[2:]))
     args = build_parser().parse_args(argv)
     module, _ = _COMMANDS[args.command]
     return int(importlib.import_module(module).main(args))

@@ -86,11 +86,17 @@ def make_runner(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     return Runner(run, setup)
 
 
-def time_runners(runners: dict[str, Runner], repeats: int) -> dict[str, float]:
-    """Median seconds of each runner's ``run``, alternating the runners in every round (no_grad)."""
+def time_runners(runners: dict[str, Runner], repeats: int,
+                 samples: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Median seconds of each runner's ``run``, alternating the runners in every round (no_grad).
+
+    ``samples``, when given, receives every timed call's seconds per runner.
+    """
+    samples = {} if samples is None else samples
     if all(r.setup is None for r in runners.values()):
-        return time_alternating({name: r.run for name, r in runners.items()}, (), repeats=repeats, warmup=0)
-    samples: dict[str, list[float]] = {name: [] for name in runners}
+        return time_alternating({name: r.run for name, r in runners.items()}, (), repeats=repeats, warmup=0,
+                                samples=samples)
+    samples.update({name: [] for name in runners})
     with torch.no_grad():
         for _ in range(repeats):
             for name, r in runners.items():

@@ -71,6 +71,8 @@ RECORD_SCHEMA: dict[str, Any] = {
         "peak_ratio_vs_eager": _NUM,
         "trace": _STR,
         "memory_timeline": _STR,
+        # first and third quartiles of the timed calls behind forward_s (reports before it lack the field)
+        "forward_iqr_s": {"type": ["array", "null"], "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
     },
 }
 

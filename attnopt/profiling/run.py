@@ -48,6 +48,7 @@ import torch
 
 from ..config import accepted_variants
 from ..env import __version__
+from ..selection.stats import quartiles
 from .measure import (
     Runner,
     SiteCounter,
@@ -215,6 +216,14 @@ def _generation() -> tuple[Callable[..., Any] | None, str | None]:
     return cached, None
 
 
+def _iqr(samples: list[float]) -> list[float] | None:
+    """``[q1, q3]`` of the timed calls, or None with fewer than two."""
+    if len(samples) < 2:
+        return None
+    q1, _, q3 = quartiles(samples)
+    return [q1, q3]
+
+
 def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "batch_size": b, "seq_len": t, "phase": phase, "variant": variant, "status": "ok", "error": None,
@@ -223,6 +232,7 @@ def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str
         "peak_bytes": None, "peak_op": None, "attention_flops": None, "attention_flops_per_s": None,
         "roofline_ratio": None, "idle_gap_s": None, "idle_gap_share": None, "idle_gap_note": None,
         "speedup_vs_eager": None, "peak_ratio_vs_eager": None, "trace": None, "memory_timeline": None,
+        "forward_iqr_s": None,
     }
     rec.update(fields)
     return rec
@@ -355,15 +365,18 @@ class _Session:
                 self._release()
 
     def _time(self, runners: dict[str, Runner], records: dict[str, dict[str, Any]]) -> None:
+        samples: dict[str, list[float]] = {}
         try:
-            for v, s in time_runners(runners, self.repeats).items():
+            for v, s in time_runners(runners, self.repeats, samples).items():
                 records[v]["forward_s"] = s
+                records[v]["forward_iqr_s"] = _iqr(samples[v])
             return
         except Exception:  # noqa: BLE001 - find which variant fails by timing them one by one
             self._release()
         for v in list(runners):
             try:
-                records[v]["forward_s"] = time_runners({v: runners[v]}, self.repeats)[v]
+                records[v]["forward_s"] = time_runners({v: runners[v]}, self.repeats, samples)[v]
+                records[v]["forward_iqr_s"] = _iqr(samples[v])
             except Exception as e:  # noqa: BLE001
                 _failed(records[v], e)
                 del runners[v]

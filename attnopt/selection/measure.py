@@ -41,20 +41,22 @@ def _device_of(inputs: Sequence[Any]) -> torch.device | None:
 
 
 def time_alternating(fns: Mapping[str, Callable[..., Any]], inputs: Sequence[Any], repeats: int = 10, *,
-                     warmup: int = 2, progress: bool | str = False) -> dict[str, float]:
+                     warmup: int = 2, progress: bool | str = False,
+                     samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median wall-clock seconds of ``fn(*inputs)`` for each of ``fns``, timed in alternation.
 
     Each function is first called ``warmup`` times (compilation, allocator and thread pool
     warm-up happen there, untimed); then ``repeats`` rounds each call every function once, in
     order, and time it. Runs under ``torch.no_grad()``. ``progress`` shows a tqdm bar (a string
-    is its label).
+    is its label). ``samples``, when given, receives every timed call's seconds per function.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not fns:
         raise ValueError("time_alternating needs at least one function")
     device = _device_of(inputs)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples = {} if samples is None else samples
+    samples.update({name: [] for name in fns})
     bar = None
     if progress:
         from tqdm.auto import tqdm
