@@ -57,12 +57,12 @@ def cache_dir_override() -> str | None:
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(value: int | str | None) -> int | None:
-    """``512 * 2**20``, ``"512MiB"``, ``"2GB"`` or None -> bytes (or None)."""
+def parse_bytes(value: int | str | None, what: str = "memory_budget") -> int | None:
+    """``512 * 2**20``, ``"512MiB"``, ``"2GB"`` or None -> bytes (or None); errors name the option ``what``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"memory_budget must be a number of bytes or a string like '512MiB', got {value!r}")
+        raise TypeError(f"{what} must be a number of bytes or a string like '512MiB', got {value!r}")
     if isinstance(value, int):
         n = value
     else:
@@ -70,8 +70,8 @@ def parse_bytes(value: int | str | None) -> int | None:
         digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(digits):]
         if unit not in _UNITS or not digits:
-            raise ValueError(f"cannot read memory_budget {value!r}; write bytes as an int or e.g. '512MiB', '2GB'")
+            raise ValueError(f"cannot read {what} {value!r}; write bytes as an int or e.g. '512MiB', '2GB'")
         n = int(float(digits) * _UNITS[unit])
     if n <= 0:
-        raise ValueError(f"memory_budget must be positive, got {value!r}")
+        raise ValueError(f"{what} must be positive, got {value!r}")
     return n

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="side of the matmul that measures the device's rate (default 1024 CPU, 8192 CUDA)")
     parser.add_argument("--trace", action="store_true", help="write chrome traces per point under DIR/traces")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default 0)")
+    parser.add_argument("--kv-budget", default=None,
+                        help="KV cache memory to plan for (bytes or e.g. 8GiB): decode says how many sequences fit")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's); 1 keeps timings steadier on a shared machine")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -63,8 +65,9 @@ def main(args: argparse.Namespace) -> int:
         report = profile(args.spec, batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
                          variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
                          trace=args.trace, out=args.out, progress=not args.no_progress,
-                         matmul_size=args.matmul_size, seed=args.seed, threads=args.threads)
-    except SpecError as e:
+                         matmul_size=args.matmul_size, seed=args.seed, threads=args.threads,
+                         kv_budget=args.kv_budget)
+    except (SpecError, ValueError, TypeError) as e:  # a bad SPEC, or a bad --kv-budget
         print(f"attnopt profile: error: {e}", file=sys.stderr)
         return 2
     env = report["environment"]

@@ -73,6 +73,10 @@ RECORD_SCHEMA: dict[str, Any] = {
         "memory_timeline": _STR,
         # first and third quartiles of the timed calls behind forward_s (reports before it lack the field)
         "forward_iqr_s": {"type": ["array", "null"], "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
+        # decode through a KV cache: cache bytes per position of one sequence, and for this point's batch and
+        # context (T + 1 positions)
+        "kv_bytes_per_token": {"type": ["integer", "null"]},
+        "kv_context_bytes": {"type": ["integer", "null"]},
     },
 }
 
@@ -119,6 +123,22 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _kv_lines(records: list[dict[str, Any]], kv_budget: int | None) -> list[str]:
+    """What the KV cache costs at the longest decode point a cache served, and what fits in the budget."""
+    served = [r for r in records if r["status"] == "ok" and r.get("kv_bytes_per_token")]
+    if not served:
+        return []
+    r = max(served, key=lambda r: (r["seq_len"], r["batch_size"]))
+    per, positions = r["kv_bytes_per_token"], r["seq_len"] + 1
+    line = (f"decode, B={r['batch_size']}, T={r['seq_len']}: the KV cache holds {per} B per position per "
+            f"sequence, {_mib(per * positions)} MiB per sequence of {positions} positions, "
+            f"{_mib(r['kv_context_bytes'])} MiB for the batch")
+    if kv_budget:
+        line += (f"; in a KV budget of {_mib(kv_budget)} MiB, {kv_budget // (per * positions)} concurrent "
+                 f"sequence(s) of {positions} positions fit")
+    return [line + "."]
 
 
 def _shorten(text: str, width: int = 160) -> str:
@@ -200,7 +220,7 @@ def _changed(r: dict[str, Any]) -> str:
     return f"{len(r['sites'])} site(s) rewritten" if r["sites"] else "no site rewritten"
 
 
-def summarize(records: list[dict[str, Any]]) -> list[str]:
+def summarize(records: list[dict[str, Any]], kv_budget: int | None = None) -> list[str]:
     """The closing summary in words: the largest cost, the peak, and what attnopt changed, per phase."""
     lines = []
     for phase in ("prefill", "decode"):
@@ -235,6 +255,7 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
                              f"({_mib(r['peak_bytes'])} MiB{_where(r)}).")
             else:
                 lines.append(f"{point}: {name} takes {_ms(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
+    lines += _kv_lines(records, kv_budget)
     failed = [r for r in records if r["status"] in ("oom", "error")]
     if failed:
         first = failed[0]

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..config import accepted_variants
-from ..env import __version__
+from ..env import __version__, parse_bytes
 from ..selection.stats import quartiles
 from .measure import (
     Runner,
@@ -110,7 +110,7 @@ def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[
             phase: str = "prefill", variants: Iterable[str] = ("eager", "auto"), dtype: str = "float32",
             device: str = "cpu", repeats: int = 10, trace: bool = False, out: str | os.PathLike[str] | None = None,
             progress: bool = True, matmul_size: int | None = None, seed: int = 0,
-            threads: int | None = None) -> dict[str, Any]:
+            threads: int | None = None, kv_budget: int | str | None = None) -> dict[str, Any]:
     """Profile ``spec`` over the sweep and return the report (the content of ``report.json``).
 
     Args:
@@ -130,7 +130,10 @@ def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[
         seed: seed for weights and inputs.
         threads: CPU threads torch uses during the run (``torch.set_num_threads``; restored after).
             On a machine other processes share, 1 thread keeps timings steadier.
+        kv_budget: bytes (or ``"8GiB"``) of KV cache to plan for: decode points served by a cache then say
+            how many sequences of their length fit in it.
     """
+    kv_budget = parse_bytes(kv_budget, "kv_budget")
     batch_sizes, seq_lens, variants = list(batch_sizes), list(seq_lens), list(variants)
     problem = check_options(batch_sizes=batch_sizes, seq_lens=seq_lens, phase=phase, variants=variants,
                             dtype=dtype, device=device, repeats=repeats, matmul_size=matmul_size, threads=threads)
@@ -143,14 +146,14 @@ def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[
         torch.set_num_threads(threads)
     try:
         return _sweep(spec, batch_sizes, seq_lens, phase, variants, dtype, device, repeats, trace, out, progress,
-                      matmul_size, seed)
+                      matmul_size, seed, kv_budget)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, variants: list[str], dtype: str,
            device: str, repeats: int, trace: bool, out: str | os.PathLike[str] | None, progress: bool,
-           matmul_size: int | None, seed: int) -> dict[str, Any]:
+           matmul_size: int | None, seed: int, kv_budget: int | None = None) -> dict[str, Any]:
     phases = ["prefill", "decode"] if phase == "both" else [phase]
     dev, dt = torch.device(device), DTYPES[dtype]
     out_dir = Path(out) if out is not None else None
@@ -163,7 +166,7 @@ def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, v
         "description": target.description,
         "options": {"batch_sizes": batch_sizes, "seq_lens": seq_lens, "phase": phase, "variants": variants,
                     "dtype": str(dt).replace("torch.", ""), "device": str(dev), "repeats": repeats, "trace": trace,
-                    "seed": seed},
+                    "seed": seed, "kv_budget": kv_budget},
         "environment": _environment(dev, dt, matmul_size or (8192 if dev.type == "cuda" else 1024)),
         "complete": False, "records": [], "summary": [], "plots": [],
     }
@@ -185,7 +188,7 @@ def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, v
     finally:
         if bar is not None:
             bar.close()
-    report["summary"] = summarize(report["records"])
+    report["summary"] = summarize(report["records"], kv_budget)
     if out_dir is not None:
         report["plots"], why = plot(report["records"], out_dir)
         if why:
@@ -232,7 +235,7 @@ def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str
         "peak_bytes": None, "peak_op": None, "attention_flops": None, "attention_flops_per_s": None,
         "roofline_ratio": None, "idle_gap_s": None, "idle_gap_share": None, "idle_gap_note": None,
         "speedup_vs_eager": None, "peak_ratio_vs_eager": None, "trace": None, "memory_timeline": None,
-        "forward_iqr_s": None,
+        "forward_iqr_s": None, "kv_bytes_per_token": None, "kv_context_bytes": None,
     }
     rec.update(fields)
     return rec
@@ -326,6 +329,9 @@ class _Session:
                 rec.update(decode_method="full_recompute", decode_note=f"forward over T+1 tokens: {note}")
             else:
                 rec.update(decode_method="kv_cache", decode_note=note)
+                per = getattr(self.cached[v], "bytes_per_token", None)  # None: a cache that does not say
+                rec.update(kv_bytes_per_token=per,
+                           kv_context_bytes=None if per is None else per * idx.size(0) * idx.size(1))
             runners[v] = runner
         return runners, make_runner(self.bracketed, (idx,), {}, self.dev), ((idx,), {})
 
