@@ -96,10 +96,10 @@ NEAR_MISSES = {
                   LEFT_ALONE),
     "divided-by-zero": (lambda q, k, v, m: torch.softmax(q @ k.transpose(-2, -1) / 0.0, dim=-1) @ v,
                         "scale, score modifier, then masks", "the scores are divided by zero", LEFT_ALONE),
-    # the scores are sliced between the product and the softmax
+    # the scores are sliced between the product and the softmax: attention left alone (it counts as a site)
     "sliced": (lambda q, k, v, m: torch.softmax(scores(q, k)[..., :3], dim=-1) @ v[:, :, :3],
                "scores come from q @ k^T", "the scores pass through getitem between the product and the softmax",
-               NOT_ATTENTION),
+               LEFT_ALONE),
 }
 
 
@@ -143,3 +143,21 @@ def test_the_mask_planner_refuses_with_a_refusal():
     sym = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint()
     with pytest.raises(Refusal):
         masks._order(sym, 3)
+
+
+def test_every_softmax_that_feeds_a_value_product_counts_as_a_site():
+    """``explain()``'s "N of M sites": an attention layer left alone counts among the M; a softmax whose
+    output never reaches a product with values (a classifier head, a pooling weight) does not."""
+    import attnopt
+
+    class Three(torch.nn.Module):
+        def forward(self, q, k, v):
+            a = torch.softmax(scores(q, k), dim=-1) @ v  # rewritten
+            b = torch.softmax(scores(q, k)[..., :3], dim=-1) @ v[:, :, :3]  # attention, left alone
+            c = torch.softmax(scores(q, k), dim=-1).sum(-1)  # no product with values: not attention
+            return a, b, c
+
+    q, k, v = (torch.randn(1, 2, 6, D) for _ in range(3))
+    report = attnopt.explain(Three(), q, k, v)
+    assert [r.decision for r in report.records] == ["rewritten", LEFT_ALONE, NOT_ATTENTION]
+    assert len(report.sites) == 2 and report.rewritten == 1

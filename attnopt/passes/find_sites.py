@@ -1021,9 +1021,36 @@ def match_site(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, tor
     try:
         return _match(gm, softmax, concrete, record)
     except NearMiss as e:
-        record.decision = e.decision
+        # an attention layer that is not rewritten still counts among the sites ("N of M rewritten")
+        record.decision = LEFT_ALONE if e.decision == NOT_ATTENTION and feeds_value_product(gm, softmax) \
+            else e.decision
         record.reason = str(e)
         return record
+
+
+#: Ops between the probabilities and their product with values that keep them the attention's weights.
+_ON_THE_WAY = frozenset(("cast", "identity", "view", "dropout", "scale", "masked_fill", "where", "transpose",
+                         "permute", "getitem"))
+
+
+def feeds_value_product(gm: fx.GraphModule, softmax: fx.Node, depth: int = 8) -> bool:
+    """``softmax`` is over the last axis and its output reaches a product (``@``, ``bmm``, ``einsum``,
+    ``baddbmm``) through casts, views, dropout, fills or slices: an attention layer, rewritten or not."""
+    sm, shape = read(softmax, gm), shape_of(softmax)
+    if sm is None or shape is None or sm.args[1] != len(shape) - 1:
+        return False
+    frontier = [softmax]
+    for _ in range(depth):
+        later = []
+        for node in frontier:
+            for user in node.users:
+                op = read(user, gm)
+                if op is not None and op.kind in ("matmul", "baddbmm"):
+                    return True
+                if op is not None and op.kind in _ON_THE_WAY:
+                    later.append(user)
+        frontier = later
+    return False
 
 
 def _match(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, torch.Tensor],
@@ -1550,5 +1577,5 @@ def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None 
     return out
 
 
-__all__ = ["REFUSALS", "RULES", "Layout", "Match", "NearMiss", "SizeOf", "find_sites", "fold_view", "match_site",
-           "promoted_mask", "reads_only_shape", "relayout"]
+__all__ = ["REFUSALS", "RULES", "Layout", "Match", "NearMiss", "SizeOf", "feeds_value_product", "find_sites",
+           "fold_view", "match_site", "promoted_mask", "reads_only_shape", "relayout"]
