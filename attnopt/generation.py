@@ -73,6 +73,8 @@ aten = torch.ops.aten
 #: a second call reuses it (capture and proof take seconds). Weakly keyed: the cache dies with the module.
 _REUSED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[Any, CachedLM]]] = \
     weakref.WeakKeyDictionary()
+#: Kept cached models a ``stream`` is decoding with now: a second stream on the same module gets its own.
+_BUSY: weakref.WeakSet[CachedLM] = weakref.WeakSet()
 
 
 def _code(model: nn.Module) -> tuple[Any, ...]:
@@ -90,7 +92,10 @@ def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool) 
     key, code = (max_len, variant, compile), _code(model)
     built = _REUSED.setdefault(model, {})
     if key in built and built[key][0] == code:
-        return built[key][1], True
+        if built[key][1] not in _BUSY:
+            return built[key][1], True
+        # another stream decodes with the kept one (its caches hold that stream's sequences): a private one
+        return cached(model, max_len=max_len, variant=variant, compile=compile), False
     lm = cached(model, max_len=max_len, variant=variant, compile=compile)
     built[key] = (code, lm)
     return lm, False
@@ -247,22 +252,37 @@ def stream(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, 
     if max_new_tokens == 0:
         return
 
+    epoch = -1  # the cached model's epoch after this stream's prefill
+
     def first(x: torch.Tensor) -> torch.Tensor:
-        nonlocal lm
+        nonlocal lm, epoch
         try:
-            return lm.prefill(x)
+            logits = lm.prefill(x)
         except ModelChangedError:
             if not reused:
                 raise
             _REUSED[model].pop((max_len, variant, compile), None)  # the model changed since: capture it again
+            _BUSY.discard(lm)
             lm, _ = _reused(model, max_len, variant, compile)
-            return lm.prefill(x)
+            _BUSY.add(lm)
+            logits = lm.prefill(x)
+        epoch = lm.epoch
+        return logits
 
+    def step(nxt: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        if lm.epoch != epoch:
+            raise RuntimeError("another prefill or reset ran on this CachedLM while this stream was decoding with "
+                               "it, so its caches hold other sequences; give each concurrent stream its own "
+                               "attnopt.generation.cached(model), or pass the module (each stream then gets one)")
+        return lm.step(nxt)
+
+    _BUSY.add(lm)
     try:
-        yield from _decode(first, lambda nxt, _: lm.step(nxt), idx, max_new_tokens,
-                           _picker(temperature, top_k, do_sample, generator), stopping)
+        yield from _decode(first, step, idx, max_new_tokens, _picker(temperature, top_k, do_sample, generator),
+                           stopping)
     finally:
-        if not isinstance(model, CachedLM):
+        _BUSY.discard(lm)
+        if not isinstance(model, CachedLM) and lm.epoch == epoch:
             lm.reset()  # a kept cached model holds no K/V memory between calls
 
 

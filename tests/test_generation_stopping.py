@@ -127,3 +127,23 @@ def test_bad_stopping_arguments_say_what_to_pass(lm, kwargs, message):
 def test_a_stop_returning_the_wrong_shape_is_an_error(lm):
     with pytest.raises(ValueError, match=r"stop must return a bool or a \(3,\) bool tensor"):
         generate(lm, _idx(), 4, stop=lambda ids: torch.zeros(2, dtype=torch.bool), pad_token_id=0)
+
+
+def test_interleaved_streams_on_one_module_each_get_their_own_caches(model):
+    a_idx, b_idx = _idx(batch=1, length=4, seed=3), _idx(batch=2, length=6, seed=4)
+    a, b = stream(model, a_idx, 6), stream(model, b_idx, 6)
+    got_a, got_b = [], []
+    for _ in range(6):  # a's prefill, b's prefill, then their steps in turn
+        got_a.append(next(a))
+        got_b.append(next(b))
+    assert torch.equal(torch.cat([a_idx, *got_a], 1), generate_plain(model, a_idx, 6))
+    assert torch.equal(torch.cat([b_idx, *got_b], 1), generate_plain(model, b_idx, 6))
+
+
+def test_two_streams_on_one_cached_model_refuse_rather_than_mix_their_caches(lm):
+    a = stream(lm, _idx(seed=5), 6)
+    next(a)
+    b = stream(lm, _idx(seed=6), 6)
+    next(b)  # its prefill refills the caches a was decoding with
+    with pytest.raises(RuntimeError, match="another prefill or reset ran on this CachedLM"):
+        next(a)

@@ -383,6 +383,7 @@ class CachedLM:
         self.run = graph_module  # or its torch.compile'd version (cached(..., compile=True))
         self.tokens: torch.Tensor | None = None  # (batch, max_len): the ids of positions 0 .. length - 1
         self.stale = False  # weights the graph reads were written since the caches were filled
+        self.epoch = 0  # counts resets (every prefill starts one): who filled the caches last
 
     @property
     def cache_bytes(self) -> int:
@@ -393,6 +394,7 @@ class CachedLM:
         for s in self.sites:
             s.reset()
         self.length, self.batch, self.tokens, self.stale = 0, None, None, False
+        self.epoch += 1
 
     def prefill(self, idx: torch.Tensor) -> torch.Tensor:
         """Run the prompt ``idx`` ``(B, T0)``; return its logits ``(B, T0, vocab)`` and cache K and V.
