@@ -18,3 +18,18 @@ def capture(model: nn.Module, *inputs) -> tuple[fx.GraphModule, list]:
     torch._dynamo.reset()
     torch.compile(model, backend=backend, fullgraph=True)(*inputs)
     return store["gm"], store["ex"]
+
+
+class Fn(nn.Module):
+    """Wraps ``fn(self, *inputs)`` as a module; keyword tensors become parameters, ``buffers=`` buffers."""
+
+    def __init__(self, fn, buffers: dict | None = None, **params: torch.Tensor):
+        super().__init__()
+        self.fn = fn
+        for name, p in params.items():
+            self.register_parameter(name, nn.Parameter(p))
+        for name, b in (buffers or {}).items():
+            self.register_buffer(name, b)
+
+    def forward(self, *args):
+        return self.fn(self, *args)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support import Fn
 
 import attnopt
 
@@ -21,19 +22,6 @@ B, H, T, D = 2, 2, 6, 8
 
 def qkv(tq: int = T, tk: int = T) -> tuple[torch.Tensor, ...]:
     return torch.randn(B, H, tq, D), torch.randn(B, H, tk, D), torch.randn(B, H, tk, D)
-
-
-class Fn(nn.Module):
-    """Wraps a function of (q, k, v, *extra) as a module."""
-
-    def __init__(self, fn, **params: torch.Tensor):
-        super().__init__()
-        self.fn = fn
-        for name, p in params.items():
-            self.register_parameter(name, nn.Parameter(p))
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def scores(q, k):

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import capture
+from support import Fn, capture
 
 import attnopt
 from attnopt.kernels.reference import tolerance
@@ -41,19 +41,6 @@ import peer_spellings  # noqa: E402  (benchmarks/ is no package; the module impo
 
 aten = torch.ops.aten
 B, H, T, D = 2, 3, 5, 8
-
-
-class Fn(nn.Module):
-    """``fn(self, *inputs)`` as a module; keyword tensors become parameters."""
-
-    def __init__(self, fn, **params: torch.Tensor):
-        super().__init__()
-        self.fn = fn
-        for name, p in params.items():
-            self.register_parameter(name, nn.Parameter(p))
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def qkv(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:

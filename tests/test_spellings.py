@@ -15,28 +15,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import capture
+from support import Fn, capture
 
 import attnopt
 from attnopt.runtime.site import BoundedFillSite, fill_is_negligible
 
 B, H, T, D = 2, 4, 6, 8
 C = H * D
-
-
-class Fn(nn.Module):
-    """Wraps ``fn(self, *inputs)`` as a module; keyword tensors become parameters, ``buffers=`` buffers."""
-
-    def __init__(self, fn, buffers: dict | None = None, **params: torch.Tensor):
-        super().__init__()
-        self.fn = fn
-        for name, p in params.items():
-            self.register_parameter(name, nn.Parameter(p))
-        for name, b in (buffers or {}).items():
-            self.register_buffer(name, b)
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def qkv(b: int = B, h: int = H, tq: int = T, tk: int = T, d: int = D, hkv: int | None = None):
