@@ -36,18 +36,25 @@ def strict_guards() -> bool:
     For code that writes proof inputs in ways PyTorch's version counter does not see
     (``.data``, ``.numpy()``, DLPack, ``set_``).
     """
-    return os.environ.get("ATTNOPT_STRICT", "").strip() not in ("", "0", "false", "False")
+    return _flag("ATTNOPT_STRICT", default=False)
 
 
 def disk_cache_enabled() -> bool:
     """``$ATTNOPT_CACHE``: False for ``0``/``off``/``false``/``no``; a clear error for values it cannot read."""
-    value = os.environ.get("ATTNOPT_CACHE", "").strip().lower()
+    return _flag("ATTNOPT_CACHE", default=True)
+
+
+def _flag(name: str, default: bool) -> bool:
+    """An on/off environment variable: unset or empty is ``default``; a value it cannot read is an error."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
     if value in _OFF_VALUES:
         return False
     if value in _ON_VALUES:
         return True
-    raise ValueError(f"ATTNOPT_CACHE={value!r} is not understood; set it to '0'/'off' to keep tuning results "
-                     "in memory only, or '1'/'on' (or leave it unset) to keep them on disk")
+    raise ValueError(f"{name}={value!r} is not understood; set it to '0'/'off'/'false'/'no' or "
+                     "'1'/'on'/'true'/'yes' (or leave it unset)")
 
 
 def cache_dir_override() -> str | None:

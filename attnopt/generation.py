@@ -66,9 +66,6 @@ from .pipeline.kv import cached
 from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens
 from .runtime.kv_cache import KVCacheAttention, MaskCheck
 
-aten = torch.ops.aten
-
-
 #: The cached model ``generate(model, ...)`` built for each module, per ``(max_len, variant, compile)``:
 #: a second call reuses it (capture and proof take seconds). Weakly keyed: the cache dies with the module.
 _REUSED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], tuple[Any, CachedLM]]] = \

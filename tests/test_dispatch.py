@@ -224,3 +224,34 @@ def test_auto_variant_records_tunings_on_the_kv_cache_sites(monkeypatch, tmp_pat
     assert torch.equal(generate(lm, idx, 6), plain)
     assert all({key.tq for key in site.tuning} == {8, 1} for site in lm.sites)  # asked again
     assert len(lm.sites[0].selector.entries) == tuned  # the selector's own entries answered: no new tuning
+
+
+def test_a_first_call_with_saved_tensor_hooks_disabled_still_runs():
+    """``torch.func`` transforms disable saved-tensor hooks; the first call's reference check must not
+    push hooks then (it raised out of the model)."""
+    from attnopt.kernels.reference import reference_attention
+    from attnopt.runtime.site import AttentionSite
+    from attnopt.spec import AttentionSpec
+
+    site = AttentionSite("s", AttentionSpec(scale=0.5, causal="top_left"), "sdpa")
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("as torch.func transforms do"):
+        out = site(q, q, q)
+    torch.testing.assert_close(out, reference_attention(q, q, q, is_causal=True, scale=0.5))
+
+
+@pytest.mark.parametrize(("value", "on"), [("", False), ("0", False), ("off", False), ("No", False),
+                                           ("1", True), ("on", True), ("TRUE", True)])
+def test_attnopt_strict_reads_on_and_off_like_every_flag(monkeypatch, value, on):
+    from attnopt.env import strict_guards
+
+    monkeypatch.setenv("ATTNOPT_STRICT", value)
+    assert strict_guards() is on
+
+
+def test_an_unreadable_flag_says_what_it_accepts(monkeypatch):
+    from attnopt.env import strict_guards
+
+    monkeypatch.setenv("ATTNOPT_STRICT", "maybe")
+    with pytest.raises(ValueError, match="ATTNOPT_STRICT='maybe' is not understood"):
+        strict_guards()

@@ -303,7 +303,7 @@ def _compare_with_reference(fn: Any, spec: AttentionSpec, q: torch.Tensor, k: to
     return None
 
 
-__all__ = ["DispatchingSite", "candidate_layout", "needs_grad"]
+__all__ = ["apart", "DispatchingSite", "candidate_layout", "needs_grad"]
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -321,6 +321,11 @@ def apart(device: torch.device) -> Iterator[None]:
     recomputation run the same operations, whether or not a site tuned or checked in between.
     """
     devices = [device] if device.type == "cuda" else []
-    with torch.autograd.graph.saved_tensors_hooks(_same, _same), _disable_current_modes(), \
-            torch.random.fork_rng(devices=devices):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        except RuntimeError:  # hooks disabled (torch.func transforms): none are active to step around
+            pass
+        stack.enter_context(_disable_current_modes())
+        stack.enter_context(torch.random.fork_rng(devices=devices))
         yield
