@@ -225,6 +225,10 @@ def _clear(cache: TuningCache, records: list[CacheRecord], chosen: list[CacheRec
 
 
 def _retune(cache: TuningCache, chosen: list[CacheRecord]) -> int:
+    if not cache.disk:  # store() writes nothing then: saying "marked" would be untrue
+        print(f"attnopt cache retune: error: ATTNOPT_CACHE is off, so entries in {cache.directory} cannot be "
+              "rewritten; unset it (or set ATTNOPT_CACHE=1) to retune", file=sys.stderr)
+        return 2
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     for r in chosen:
         why = f"marked for re-timing by `attnopt cache retune` on {now}; was: {r.entry.decision or r.entry.choice}"

@@ -147,3 +147,10 @@ def test_retune_marks_entries_provisional_and_their_next_use_times_them_again(ca
     entry = sel.choose(SPEC, key, call)
     assert timed and entry.choice == "sdpa_flash" and not entry.provisional
     assert not TuningCache(cache.directory).lookup(k).provisional
+
+
+def test_retune_with_the_disk_layer_off_refuses_instead_of_claiming_success(cache, capsys, monkeypatch):
+    monkeypatch.setenv("ATTNOPT_CACHE", "0")
+    rc, out, err = _run(capsys, "retune", "1")
+    assert rc == 2 and "ATTNOPT_CACHE is off" in err and "marked" not in out
+    assert not TuningCache(cache.directory).records()[0].entry.provisional  # the file is unchanged

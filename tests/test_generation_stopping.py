@@ -38,13 +38,15 @@ def test_eos_finishes_each_sequence_and_pads_it(model, lm):
     got = generate(lm, idx, 12, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, plain)
     new = got[:, idx.size(1):]
+    assert int(new[0, 2]) == eos  # row 0 meets the end token at its third new token (how eos was chosen)
     for row in new:
         hits = (row == eos).nonzero()
         if len(hits):  # everything after the first end token is padding
             assert (row[int(hits[0]) + 1:] == 0).all()
-    # without stopping the same rows go on past the end token
+    # without stopping, row 0 goes on past the end token with the model's own tokens
     free = generate(lm, idx, 12)
-    assert torch.equal(free[:, : got.size(1)][0, : idx.size(1) + 3], got[0, : idx.size(1) + 3])
+    assert torch.equal(free[0, : idx.size(1) + 3], got[0, : idx.size(1) + 3])
+    assert not torch.equal(free[0, idx.size(1) + 3:], got[0, idx.size(1) + 3:])
 
 
 def test_generation_ends_when_every_sequence_finished(model, lm):

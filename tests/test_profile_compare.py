@@ -58,12 +58,19 @@ def test_reports_without_the_spread_use_the_threshold_alone():
 def test_memory_and_failures():
     old = [_rec("a", 10, 0.01, peak=100 << 20), _rec("b", 10, 0.01), _rec("c", 10, status="oom")]
     new = [_rec("a", 10, 0.01, peak=120 << 20), _rec("b", 10, status="oom"), _rec("c", 10, 0.01)]
-    assert _verdicts(old, new) == {"a": ("same", "worse"), "b": ("failed now", "same"), "c": ("fixed", "same")}
+    assert _verdicts(old, new) == {"a": ("same", "worse"), "b": ("failed now", "n/a"), "c": ("fixed", "n/a")}
 
 
-def test_points_in_one_report_only_are_not_compared():
+def test_a_point_missing_from_the_new_report_is_a_regression_and_a_new_one_is_not_compared():
     rows = compare_reports(_report([_rec("a", 10, t=64)]), _report([_rec("a", 10, t=128)]))
-    assert rows == []
+    assert [(r.seq_len, r.time_verdict, r.regressed) for r in rows] == [(64, "missing now", True)]
+    assert compare_reports(_report([_rec("a", 10, status="oom")]), _report([])) == []  # it failed before too
+
+
+def test_records_from_an_older_writer_without_a_status_are_read():
+    old, new = _rec("a", 10), _rec("a", 13)
+    del old["status"], old["forward_iqr_s"]
+    assert _verdicts([old], [new]) == {"a": ("worse", "same")}
 
 
 def test_environment_changes_are_named():
@@ -94,6 +101,9 @@ def test_cli_exit_status_gates_a_regression(tmp_path, capsys):
 
 
 def test_cli_refuses_what_is_not_a_report(tmp_path, capsys):
+    broken = _write(tmp_path / "broken.json", {"records": [{"variant": "a"}]})  # no phase, B, T
+    assert main(["profile", "compare", str(broken), str(broken)]) == 2
+    assert "a record lacks or mistypes a field" in capsys.readouterr().err
     bad = tmp_path / "x.json"
     bad.write_text("{}")
     assert main(["profile", "compare", str(bad), str(bad)]) == 2

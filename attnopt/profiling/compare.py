@@ -8,8 +8,8 @@ size, sequence length) and variant present in both reports:
   spread (half the relative interquartile range of each report's timed calls, added); otherwise
   it is "same". Reports written before the spread was recorded use the threshold alone;
 * **memory**: ``new / old`` of the peak tensor bytes (deterministic: the memory threshold alone);
-* a point that was measured before and fails now is a regression; one that failed before and is
-  measured now an improvement.
+* a point that was measured before and fails now, or is missing from the new report, is a regression;
+  one that failed before and is measured now an improvement.
 
 The environment differences (torch, attnopt, device, threads, ...) are listed first: a change of
 hardware or library is usually what the comparison is about. The exit status is 1 when anything
@@ -52,7 +52,7 @@ class Row:
     variant: str
     old_s: float | None
     new_s: float | None
-    time_verdict: str  # better / worse / same / "failed now" / "fixed" / "n/a"
+    time_verdict: str  # better / worse / same / "failed now" / "missing now" / "fixed" / "n/a"
     old_bytes: int | None
     new_bytes: int | None
     memory_verdict: str
@@ -68,7 +68,7 @@ class Row:
 
     @property
     def regressed(self) -> bool:
-        return WORSE in (self.time_verdict, self.memory_verdict) or self.time_verdict == "failed now"
+        return WORSE in (self.time_verdict, self.memory_verdict) or self.time_verdict in ("failed now", "missing now")
 
 
 def _spread(rec: dict[str, Any]) -> float | None:
@@ -77,6 +77,12 @@ def _spread(rec: dict[str, Any]) -> float | None:
     if not iqr or not med:
         return None
     return (iqr[1] - iqr[0]) / (2 * med)
+
+
+def _ok(rec: dict[str, Any]) -> bool:
+    """Measured: status ok (a record without a status, from an older writer, when it has a time)."""
+    return rec.get("status", "ok" if rec.get("forward_s") is not None else "error") == "ok" \
+        and rec.get("forward_s") is not None
 
 
 def _verdict(ratio: float, allowed: float) -> str:
@@ -97,12 +103,16 @@ def compare_reports(old: dict[str, Any], new: dict[str, Any], threshold: float =
         return r["phase"], r["batch_size"], r["seq_len"], r["variant"]
 
     before = {key(r): r for r in old.get("records", [])}
+    after = {key(r) for r in new.get("records", [])}
     rows = []
+    for k, o in before.items():  # measured before, absent now: a sweep that lost a point or a variant
+        if k not in after and _ok(o):
+            rows.append(Row(*k, o["forward_s"], None, "missing now", o.get("peak_bytes"), None, "n/a"))
     for r in new.get("records", []):
         o = before.get(key(r))
         if o is None:
             continue
-        ok_old, ok_new = o["status"] == "ok", r["status"] == "ok"
+        ok_old, ok_new = _ok(o), _ok(r)
         noise = None
         if ok_old and ok_new and o["forward_s"] and r["forward_s"] is not None:
             spreads = [s for s in (_spread(o), _spread(r)) if s is not None]
@@ -115,7 +125,7 @@ def compare_reports(old: dict[str, Any], new: dict[str, Any], threshold: float =
         else:
             time_verdict = "n/a"
         ob, nb = o.get("peak_bytes"), r.get("peak_bytes")
-        memory_verdict = _verdict(nb / ob, memory_threshold) if ob and nb is not None else "n/a"
+        memory_verdict = _verdict(nb / ob, memory_threshold) if ok_old and ok_new and ob and nb is not None else "n/a"
         rows.append(Row(*key(r), o["forward_s"] if ok_old else None, r["forward_s"] if ok_new else None,
                         time_verdict, ob, nb, memory_verdict, noise))
     return rows
@@ -195,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         old, new = _load(args.old), _load(args.new)
         rows = compare_reports(old, new, args.threshold, args.memory_threshold)
-    except ValueError as e:
-        print(f"attnopt profile compare: error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, TypeError) as e:  # KeyError/TypeError: a record lacks phase, B, T or variant
+        why = e if isinstance(e, ValueError) else f"a record lacks or mistypes a field ({type(e).__name__}: {e})"
+        print(f"attnopt profile compare: error: {why}", file=sys.stderr)
         return 2
     print(render(rows, environment_changes(old, new), args.threshold, args.memory_threshold))
     return 1 if any(r.regressed for r in rows) else 0
