@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from .passes.kv_capture import logits_of
 from .passes.positions import PositionError
 from .pipeline.kv import cached
-from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens
+from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens, left_pad, padding_of
 from .runtime.kv_cache import KVCacheAttention, MaskCheck
 
 #: The cached model ``generate(model, ...)`` built for each module, per ``(max_len, variant, compile)``:
@@ -101,7 +101,12 @@ def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool) 
 # ----------------------------------------------------------------------------- decoding
 
 
-def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, do_sample: Any, generator: Any) -> None:
+#: One generator for the batch, or one per sequence (then each row samples as it would alone with its own).
+GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
+
+
+def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, do_sample: Any, generator: Any,
+                    batch: int) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
@@ -110,12 +115,17 @@ def _check_sampling(max_new_tokens: Any, temperature: Any, top_k: Any, do_sample
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch or not all(isinstance(g, torch.Generator) for g in generator):
+            raise ValueError(f"generator= as a list needs one torch.Generator per sequence ({batch}), got "
+                             f"{len(generator)} item(s)")
+    elif generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, a list of one per sequence, or None, got "
+                        f"{type(generator).__name__}")
 
 
 def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, do_sample: bool,
-                generator: torch.Generator | None) -> torch.Tensor:
+                generator: GeneratorLike) -> torch.Tensor:
     """Pick one token per row from the last position's logits ``(B, vocab)``: argmax, or a sample."""
     if not do_sample:
         return torch.argmax(logits, dim=-1, keepdim=True)
@@ -124,13 +134,47 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, do_
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
     probs = F.softmax(logits, dim=-1)
+    if isinstance(generator, (list, tuple)):  # row b draws from its own generator, as it would alone
+        return torch.cat([torch.multinomial(probs[b:b + 1], num_samples=1, generator=g)
+                          for b, g in enumerate(generator)])
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-def _check_total(idx: torch.Tensor, max_new_tokens: int, max_len: int | None) -> None:
-    needed = idx.size(1) + max_new_tokens - 1  # the last new token is never fed back
+class _Batch:
+    """The prompts of one call: left-padded ids ``(B, T)``, the padding per row (None when every prompt has
+    ``T`` tokens), and whether they came as a list (then the result is a list, each row its own length)."""
+
+    def __init__(self, idx: Any, attention_mask: torch.Tensor | None):
+        self.listed = isinstance(idx, (list, tuple))
+        if self.listed:
+            if attention_mask is not None:
+                raise ValueError("attention_mask= goes with left-padded ids (batch, length); prompts given as a "
+                                 "list need none")
+            self.ids, mask = left_pad(idx)
+        else:
+            check_tokens(idx, "idx")
+            self.ids, mask = idx, attention_mask
+        self.pad = None if mask is None else padding_of(mask, self.ids)
+        self.mask = None if self.pad is None else mask  # what CachedLM.prefill takes
+        self.longest = self.ids.size(1) - (0 if self.pad is None else int(self.pad.min()))
+
+    def rows(self, seq: torch.Tensor) -> list[torch.Tensor]:
+        """Each sequence of the padded ``seq`` ``(B, T + n)`` without its padding."""
+        assert self.pad is not None
+        return [seq[b, p:] for b, p in enumerate(self.pad.tolist())]
+
+    def result(self, new: list[torch.Tensor], stopping: _Stopping) -> torch.Tensor | list[torch.Tensor]:
+        out = torch.cat([self.ids, *new], dim=1)
+        if not self.listed:
+            return out
+        t, pad = self.ids.size(1), [0] * out.size(0) if self.pad is None else self.pad.tolist()
+        return [out[b, pad[b]:t + n] for b, n in enumerate(stopping.kept(len(new)))]
+
+
+def _check_total(longest: int, max_new_tokens: int, max_len: int | None) -> None:
+    needed = longest + max_new_tokens - 1  # the last new token is never fed back
     if max_len is not None and max_new_tokens > 0 and needed > max_len:
-        raise ValueError(f"a prompt of {idx.size(1)} tokens plus {max_new_tokens} new ones needs {needed} positions, "
+        raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones needs {needed} positions, "
                          f"more than max_len={max_len}; generate fewer tokens or shorten the prompt")
 
 
@@ -143,11 +187,12 @@ class _Stopping:
 
     A finished sequence keeps its last token (the end token itself) and gets ``pad_token_id`` from then
     on; it still runs through the model with the others, so a batch stays one batch. Generation ends
-    when every sequence has finished.
+    when every sequence has finished. ``trimmed``: the caller cuts each sequence after its end (prompts
+    given as a list), so the padding token may default to 0.
     """
 
     def __init__(self, eos_token_id: int | Sequence[int] | None, stop: StopFn | None, pad_token_id: int | None,
-                 idx: torch.Tensor):
+                 idx: torch.Tensor, trimmed: bool = False):
         ends = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         if any(not isinstance(e, int) or isinstance(e, bool) or e < 0 for e in ends):
             raise ValueError(f"eos_token_id must be a token id >= 0 or a list of them, got {eos_token_id!r}")
@@ -157,18 +202,24 @@ class _Stopping:
                                          or pad_token_id < 0):
             raise ValueError(f"pad_token_id must be a token id >= 0 or None, got {pad_token_id!r}")
         self.active = bool(ends) or stop is not None
-        self.pad = pad_token_id if pad_token_id is not None else (ends[0] if ends else None)
+        self.pad = pad_token_id if pad_token_id is not None else (ends[0] if ends else 0 if trimmed else None)
         if self.active and self.pad is None and idx.size(0) > 1:
             raise ValueError("a batch that stops per sequence needs a token for the sequences that finished "
                              "first: pass pad_token_id= (or eos_token_id=, which is used for it)")
         self.ends = torch.tensor(ends, dtype=idx.dtype, device=idx.device) if ends else None
         self.stop = stop
         self.done = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
+        self.steps = torch.zeros(idx.size(0), 1, dtype=torch.long, device=idx.device)  # new tokens until done
+
+    def kept(self, n: int) -> list[int]:
+        """How many of the ``n`` new tokens each sequence produced before it finished (its end token included)."""
+        return self.steps.flatten().tolist() if self.active else [n] * self.done.size(0)
 
     def after(self, nxt: torch.Tensor, seq: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``nxt`` ``(B, 1)`` with finished rows padded, and whether every row has now finished."""
         if not self.active:
             return nxt, False
+        self.steps += ~self.done
         if self.pad is not None:
             nxt = torch.where(self.done, torch.full_like(nxt, self.pad), nxt)
         newly = torch.zeros_like(self.done)
@@ -202,42 +253,65 @@ def _decode(first: Callable[[torch.Tensor], torch.Tensor], step: Callable[[torch
 
 
 def _picker(temperature: float, top_k: int | None, do_sample: bool,
-            generator: torch.Generator | None) -> Callable[[torch.Tensor], torch.Tensor]:
+            generator: GeneratorLike) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda logits: _next_token(logits, temperature, top_k, do_sample, generator)
 
 
-def generate_plain(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                   top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+Prompts = torch.Tensor | Sequence[torch.Tensor]
+
+
+def generate_plain(model: nn.Module, idx: Prompts, max_new_tokens: int, *, temperature: float = 1.0,
+                   top_k: int | None = None, do_sample: bool = False, generator: GeneratorLike = None,
                    max_len: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-                   stop: StopFn | None = None, pad_token_id: int | None = None) -> torch.Tensor:
+                   stop: StopFn | None = None, pad_token_id: int | None = None,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
     """The full-recompute loop: run the whole sequence for every new token. Returns ``(B, T0 + N)``.
 
     The reference :func:`generate` is checked against; it picks tokens with the same ops in the same
-    order, so a generator seeded alike gives the same samples, and it stops the same way.
+    order, so a generator seeded alike gives the same samples, and it stops the same way. Prompts of
+    different lengths (a list, or left-padded ids with ``attention_mask``) run each sequence alone, without
+    its padding, for every token; the picks are made for the batch at once, as :func:`generate` makes them.
     """
-    check_tokens(idx, "idx")
-    _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator)
-    _check_total(idx, max_new_tokens, max_len)
-    stopping = _Stopping(eos_token_id, stop, pad_token_id, idx)
+    batch = _Batch(idx, attention_mask)
+    ids = batch.ids
+    _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator, ids.size(0))
+    _check_total(batch.longest, max_new_tokens, max_len)
+    stopping = _Stopping(eos_token_id, stop, pad_token_id, ids, trimmed=batch.listed)
+
+    def alone(seq: torch.Tensor) -> torch.Tensor:
+        if batch.pad is None:
+            return logits_of(model(seq))
+        return torch.cat([logits_of(model(row[None]))[:, -1:] for row in batch.rows(seq)])
+
     with torch.no_grad():
-        new = list(_decode(lambda x: logits_of(model(x)), lambda _, seq: logits_of(model(seq)), idx,
-                           max_new_tokens, _picker(temperature, top_k, do_sample, generator), stopping))
-    return torch.cat([idx, *new], dim=1)
+        new = list(_decode(alone, lambda _, seq: alone(seq), ids, max_new_tokens,
+                           _picker(temperature, top_k, do_sample, generator), stopping))
+    return batch.result(new, stopping)
 
 
-def stream(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-           top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+def stream(model: nn.Module | CachedLM, idx: Prompts, max_new_tokens: int, *, temperature: float = 1.0,
+           top_k: int | None = None, do_sample: bool = False, generator: GeneratorLike = None,
            max_len: int | None = None, variant: str = "sdpa", compile: bool = False,
            eos_token_id: int | Sequence[int] | None = None, stop: StopFn | None = None,
-           pad_token_id: int | None = None) -> Iterator[torch.Tensor]:
+           pad_token_id: int | None = None, attention_mask: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
     """Yield the new tokens ``(B, 1)`` of :func:`generate` one position at a time, as they are produced.
 
-    ``torch.cat([idx, *stream(model, idx, n)], dim=1)`` equals ``generate(model, idx, n)``; the arguments
-    are :func:`generate`'s. Closing the iterator early (``break``) frees the cache like a finished run.
+    ``torch.cat([idx, *stream(model, idx, n)], dim=1)`` equals ``generate(model, idx, n)`` for a tensor ``idx``;
+    the arguments are :func:`generate`'s. Closing the iterator early (``break``) frees the cache like a
+    finished run.
     """
-    check_tokens(idx, "idx")
-    _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator)
-    stopping = _Stopping(eos_token_id, stop, pad_token_id, idx)
+    batch = _Batch(idx, attention_mask)
+    stopping = _Stopping(eos_token_id, stop, pad_token_id, batch.ids, trimmed=batch.listed)
+    return _stream(model, batch, max_new_tokens, stopping, temperature=temperature, top_k=top_k, do_sample=do_sample,
+                   generator=generator, max_len=max_len, variant=variant, compile=compile)
+
+
+def _stream(model: nn.Module | CachedLM, batch: _Batch, max_new_tokens: int, stopping: _Stopping, *,
+            temperature: float, top_k: int | None, do_sample: bool, generator: GeneratorLike, max_len: int | None,
+            variant: str, compile: bool) -> Iterator[torch.Tensor]:
+    """The cached decoding loop of :func:`stream`. A generator: the cached model is chosen at the first ``next``
+    (so that a stream started before another one's first token still gets its own kept cached model)."""
+    _check_sampling(max_new_tokens, temperature, top_k, do_sample, generator, batch.ids.size(0))
     if isinstance(model, CachedLM):
         if max_len is not None and max_len != model.max_len:
             raise ValueError(f"max_len={max_len} differs from the CachedLM's max_len={model.max_len}; "
@@ -245,24 +319,25 @@ def stream(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, 
         lm, reused = model, False
     else:
         lm, reused = _reused(model, max_len, variant, compile)
-    _check_total(idx, max_new_tokens, lm.max_len)
+    _check_total(batch.longest, max_new_tokens, lm.max_len)
     if max_new_tokens == 0:
         return
-
+    pick = _picker(temperature, top_k, do_sample, generator)
+    key = (max_len, variant, compile)
     epoch = -1  # the cached model's epoch after this stream's prefill
 
     def first(x: torch.Tensor) -> torch.Tensor:
         nonlocal lm, epoch
         try:
-            logits = lm.prefill(x)
+            logits = lm.prefill(x, batch.mask)
         except ModelChangedError:
             if not reused:
                 raise
-            _REUSED[model].pop((max_len, variant, compile), None)  # the model changed since: capture it again
+            _REUSED[model].pop(key, None)  # the model changed since: capture it again
             _BUSY.discard(lm)
-            lm, _ = _reused(model, max_len, variant, compile)
+            lm, _ = _reused(model, *key)  # type: ignore[arg-type]
             _BUSY.add(lm)
-            logits = lm.prefill(x)
+            logits = lm.prefill(x, batch.mask)
         epoch = lm.epoch
         return logits
 
@@ -275,19 +350,19 @@ def stream(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, 
 
     _BUSY.add(lm)
     try:
-        yield from _decode(first, step, idx, max_new_tokens, _picker(temperature, top_k, do_sample, generator),
-                           stopping)
+        yield from _decode(first, step, batch.ids, max_new_tokens, pick, stopping)
     finally:
         _BUSY.discard(lm)
         if not isinstance(model, CachedLM) and lm.epoch == epoch:
             lm.reset()  # a kept cached model holds no K/V memory between calls
 
 
-def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, do_sample: bool = False, generator: torch.Generator | None = None,
+def generate(model: nn.Module | CachedLM, idx: Prompts, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, do_sample: bool = False, generator: GeneratorLike = None,
              max_len: int | None = None, variant: str = "sdpa", compile: bool = False,
              eos_token_id: int | Sequence[int] | None = None, stop: StopFn | None = None,
-             pad_token_id: int | None = None) -> torch.Tensor:
+             pad_token_id: int | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor | list[torch.Tensor]:
     """Generate up to ``max_new_tokens`` tokens after ``idx`` ``(B, T0)`` with a KV cache; returns ``(B, T0 + N)``.
 
     Same tokens as :func:`generate_plain` (greedy: argmax of the last logits; ``do_sample=True``: scale by
@@ -299,9 +374,17 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
     :class:`ModelChangedError` describes (a tensor replaced or converted, a proven mask buffer
     rewritten, a plain attribute, ``training`` flag, child or hook changed).
 
+    Prompts of different lengths: ``idx`` a list of 1-D tensors (the result is then a list: each prompt
+    followed by its own new tokens, cut after its end token), or left-padded ids ``(B, T0)`` with
+    ``attention_mask`` (1 = token, 0 = padding; the result keeps the padding, ``(B, T0 + N)``). Each sequence
+    gets the tokens it gets alone: its positions start at 0 and its padding is never attended. With
+    ``do_sample=True``, pass ``generator=[g0, g1, ...]`` (one per sequence) for each sequence to draw what it
+    draws alone with its generator; one generator for the batch draws the rows in turn from one stream, as
+    :func:`generate_plain` on the same batch does.
+
     Stopping: a sequence finishes after it produced one of ``eos_token_id`` (an id or a list), or when
-    ``stop(ids)`` (ids ``(B, T)`` so far, the new token last) returns True, or True in its row of a
-    ``(B,)`` bool tensor. A finished sequence is filled with ``pad_token_id`` (default: the first end
+    ``stop(ids)`` (ids ``(B, T)`` so far, padding included, the new token last) returns True, or True in its
+    row of a ``(B,)`` bool tensor. A finished sequence is filled with ``pad_token_id`` (default: the first end
     token) while the others go on; generation ends when all have finished, so ``N`` may be smaller
     than ``max_new_tokens``. :func:`stream` yields the tokens as they are produced.
 
@@ -309,13 +392,15 @@ def generate(model: nn.Module | CachedLM, idx: torch.Tensor, max_new_tokens: int
         PositionError: the model cannot be cached exactly (the message names the op and line).
         ModelChangedError: ``model`` is a :class:`CachedLM` whose model changed since it was built (see
             :func:`cached`).
-        ValueError: bad arguments, or the prompt plus new tokens exceed ``max_len``.
+        ValueError: bad arguments (an attention mask that is not left padding, a sequence without tokens), or
+            the prompt plus new tokens exceed ``max_len``.
     """
-    new = list(stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, do_sample=do_sample,
-                      generator=generator, max_len=max_len, variant=variant, compile=compile,
-                      eos_token_id=eos_token_id, stop=stop, pad_token_id=pad_token_id))
-    return torch.cat([idx, *new], dim=1)
+    batch = _Batch(idx, attention_mask)
+    stopping = _Stopping(eos_token_id, stop, pad_token_id, batch.ids, trimmed=batch.listed)
+    new = list(_stream(model, batch, max_new_tokens, stopping, temperature=temperature, top_k=top_k,
+                       do_sample=do_sample, generator=generator, max_len=max_len, variant=variant, compile=compile))
+    return batch.result(new, stopping)
 
 
 __all__ = ["CachedLM", "KVCacheAttention", "MaskCheck", "ModelChangedError", "PositionError", "StopFn", "cached",
-           "generate", "generate_plain", "stream"]
+           "generate", "generate_plain", "left_pad", "stream"]

@@ -350,9 +350,14 @@ def test_size_only_mask_that_is_not_causal_is_refused():
         cached(TinyLM(MaskedAttention(window=None)))
 
 
-def test_sliding_window_mask_is_refused_with_its_width():
-    with pytest.raises(PositionError, match=r"sliding window of 10 keys, which the cache does not apply"):
-        cached(TinyLM(MaskedAttention(window=10)).eval())
+def test_sliding_window_mask_is_cached_with_its_width():
+    """A proven causal window keeps only its last 10 keys (tests/test_generation_windows.py has the rest)."""
+    torch.manual_seed(0)
+    model = TinyLM(MaskedAttention(window=10), block_size=24).eval()
+    c = cached(model)
+    assert [s.capacity for s in c.sites] == [10] and "sliding window 10" in c.describe()
+    idx = torch.randint(0, VOCAB, (2, 12))  # longer than the window
+    assert torch.equal(generate(c, idx, 12), generate_plain(model, idx, 12))
 
 
 def test_public_names():

@@ -4,10 +4,10 @@
   (:func:`logits_of` picks them from a tensor, a tuple or ``.logits``), tidied so that export's
   spellings read like the model's;
 * :func:`not_cacheable`: why a matched site cannot attend to a cache (no causal proof, dropout,
-  score modifiers, run-time conditions, windows, finite fills), or None;
+  score modifiers, run-time conditions, finite fills), or None (a proven causal sliding window is cached);
 * :func:`mask_check`: the run-time :class:`~attnopt.runtime.kv_cache.MaskCheck` for a mask of sizes alone;
 * :func:`config_max`, :func:`resolve_max_len`, :func:`cache_bytes_per_token`: how long the caches are
-  and what they cost.
+  and what a position costs at a site.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None
     if spec.conditions:
         return ("is causal only while a mask term computed at run time (e.g. a padding mask) hides no key, "
                 "which the cache cannot check")
-    if spec.window is not None:
-        return f"attends through a sliding window of {spec.window} keys, which the cache does not apply yet"
     if spec.fill_value is not None:
         return (f"fills masked scores with the finite value {spec.fill_value:g}, which is exact only under a "
                 "per-call bound the cache does not check")
@@ -168,21 +166,20 @@ def resolve_max_len(requested: int | None, declared: int | None, plan: PositionP
                      "max_position_embeddings, position table or length check); pass max_len=")
 
 
-def cache_bytes_per_token(site_nodes: list[fx.Node], tokens: fx.Node) -> int | None:
-    """K and V bytes per position of one sequence, read from the symbolic shapes of the site inputs."""
+def cache_bytes_per_token(site_node: fx.Node, tokens: fx.Node) -> int | None:
+    """K and V bytes per position of one sequence at one site, read from the symbolic shapes of its inputs."""
     shape = shape_of(tokens)
     assert shape is not None
     per_seq = shape[0] * shape[1]
     total = 0
-    for node in site_nodes:
-        for x in node.args[1:3]:
-            val = meta_value(x)
-            if not isinstance(val, torch.Tensor):
-                return None
-            count = sympy.simplify(sympy.sympify(val.numel()) / sympy.sympify(per_seq))
-            if not count.is_Integer:
-                return None
-            total += int(count) * val.element_size()
+    for x in site_node.args[1:3]:
+        val = meta_value(x)
+        if not isinstance(val, torch.Tensor):
+            return None
+        count = sympy.simplify(sympy.sympify(val.numel()) / sympy.sympify(per_seq))
+        if not count.is_Integer:
+            return None
+        total += int(count) * val.element_size()
     return total
 
 
@@ -199,8 +196,14 @@ def logits_of(out: Any) -> torch.Tensor:
                     "item is the logits, or an object with .logits")
 
 
-def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8) -> MaskCheck | str:
-    """The check for ``m``'s mask (already checked at lengths ``1..upto``), or why it cannot be used."""
+def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, probe: int = 64) -> MaskCheck | str:
+    """The check for ``m``'s mask, or why it cannot be used.
+
+    The mask is evaluated at lengths ``1..upto`` and at ``probe``: at ``probe`` it must keep a causal band
+    (``i - w < j <= i``; ``w`` is then the check's window, a Mistral-style sliding window, if narrower than
+    ``probe``), and at every length the same pattern. A window wider than ``probe`` is seen only at run time,
+    where the check refuses the first length whose mask is not causal.
+    """
     if len(m.mask.terms) != 1:
         return "it combines several masks"
     term = m.mask.terms[0]
@@ -227,10 +230,17 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8) -> 
     where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
     check = MaskCheck(fx.GraphModule(gm, graph), isinstance(term, Add), getattr(term, "keep_when_true", False),
                       m.record.name, where)
-    for length in range(1, upto + 1):  # refuse masks that are plainly not causal now, not at the first call
+    device = tokens.meta["val"].device
+    lengths = sorted({*range(1, upto + 1), probe})
+    try:
+        check.window = check.find_window(probe, device)
+    except Exception as e:  # noqa: BLE001 - a mask attnopt cannot evaluate is a mask it cannot trust
+        return f"its mask could not be evaluated at length {probe} ({type(e).__name__}: {e})"
+    for length in lengths:  # refuse masks that are plainly not causal now, not at the first call
         try:
-            if not check.holds(2, length, tokens.meta["val"].device):
-                return f"its mask is not causal at length {length}"
+            if not check.holds(2, length, device):
+                shape = "causal" if check.window is None else f"a causal window of {check.window} keys"
+                return f"its mask is not {shape} at length {length}"
         except Exception as e:  # noqa: BLE001 - a mask attnopt cannot evaluate is a mask it cannot trust
             return f"its mask could not be evaluated at length {length} ({type(e).__name__}: {e})"
     return check

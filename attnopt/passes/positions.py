@@ -159,11 +159,17 @@ class _Analysis:
         self.notes = dict(notes or {})
         self.plan = PositionPlan(self.seq)
         self.kinds: dict[fx.Node, str | Refused] = {tokens: TOKEN}
+        #: token values whose time axis is folded with others into one axis: (axis, a, c), its size a * T * c
+        self.folds: dict[fx.Node, tuple[int, sympy.Expr, sympy.Expr]] = {}
 
     # -- per-node facts
     def axes(self, x: Any) -> tuple[int, ...]:
         s = shape_of(x)
         return tuple(i for i, d in enumerate(s) if _is_seq(d, self.seq)) if s is not None else ()
+
+    def stretched(self, x: Any) -> bool:
+        """``x`` has an axis whose size is computed from the sequence length but is not it (``B * T``)."""
+        return any(_involves(d, self.seq) and not _is_seq(d, self.seq) for d in shape_of(x) or ())
 
     def kind(self, x: Any) -> str:
         if isinstance(x, fx.Node):
@@ -216,7 +222,11 @@ class _Analysis:
                 raise _Refuse("is not known to act on each position separately")
             if kind == CONST and isinstance(meta_value(node), torch.Tensor) and self.axes(node):
                 kind = POSITION  # a time axis is T rows, however they are filled: never free of the length
-            if kind == TOKEN and isinstance(meta_value(node), torch.Tensor) and len(self.axes(node)) != 1:
+            if node not in self.folds and isinstance(meta_value(node), torch.Tensor) and self.stretched(node):
+                raise _Refuse("has an axis whose size is computed from the sequence length "
+                              f"({list(shape_of(node) or [])}), which attnopt does not follow here")
+            if kind == TOKEN and isinstance(meta_value(node), torch.Tensor) and node not in self.folds \
+                    and len(self.axes(node)) != 1:
                 n = len(self.axes(node))
                 raise _Refuse("mixes positions: its result has " + ("no sequence axis left" if n == 0 else
                                                                      f"{n} sequence axes"))
@@ -267,6 +277,8 @@ class _Analysis:
         if packet in _METADATA:
             return SHAPE  # sizes and checks on them, never tensor values
         rule = _pointwise if torch.Tag.pointwise in target.tags else _RULES.get(packet)
+        if packet not in _RESHAPES and any(i in self.folds for i in inputs):
+            rule = _folded  # batch and time folded into one axis: only row-wise ops
         if rule is None:
             raise _Refuse("is not known to act on each position separately")
         kw = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
@@ -339,19 +351,114 @@ def _prod(xs: Any) -> Any:
     return math.prod(xs, start=1)
 
 
+def _whole(e: Any) -> bool:
+    """``e`` is a product of positive integers and size symbols: a whole number of rows for every size."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return int(e) >= 1
+    return all((b.is_Symbol or b.is_Integer and int(b) >= 1) and x.is_Integer and int(x) >= 1
+               for b, x in e.as_powers_dict().items())
+
+
 def _reshape(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
-    """view/reshape keep each time slice when the sizes before the time axis multiply to the same."""
+    """view/reshape keep each time slice when the elements before the time axis stay before it.
+
+    The input's time axis ``i`` (size ``a * T * c`` when folded, else ``T``) splits the flat index into
+    ``outer = prod(sizes[:i]) * a`` rows of ``T * inner``; the output keeps the positions when its one axis
+    ``j`` that involves ``T`` has size ``a' * T * c'`` with ``prod(sizes[:j]) * a' == outer`` (``a'``, ``c'`` whole
+    numbers free of ``T``): ``(B, T, C) -> (B*T, C)`` folds batch and time into rows (``a' = B``), the reverse
+    view unfolds them; ``(B, T, C) -> (B, T*C)`` or ``(T, B)`` orders are refused.
+    """
     x = kw.get("self", kw.get("input"))
-    a.sized(kw.get("size", kw.get("shape", ())), "the reshaped tensor")
+    folding = a.kind(x) == TOKEN
+    sizes = kw.get("size", kw.get("shape", ()))
+    if not folding:
+        a.sized(sizes, "the reshaped tensor")
     a.no_length({k: v for k, v in kw.items() if k not in ("self", "input", "size", "shape")})
-    src, dst = a.axes(x), a.axes(node)
     s_in, s_out = shape_of(x) or (), shape_of(node) or ()
-    if len(src) != len(dst):
+    if x in a.folds:
+        i, fa, _ = a.folds[x]
+    elif len(a.axes(x)) == 1:
+        (i,), fa = a.axes(x), sympy.Integer(1)
+    else:
+        src, dst = a.axes(x), a.axes(node)
+        if len(src) != len(dst) or a.stretched(node):
+            raise _Refuse("merges the sequence axis with another axis (reshape)")
+        for i, j in zip(src, dst):
+            if not same(_prod(s_in[:i]), _prod(s_out[:j])):
+                raise _Refuse("moves data across positions (reshape changes the sizes before the sequence axis)")
+        return a.kind(x)
+    js = [j for j, d in enumerate(s_out) if _involves(d, a.seq)]
+    if len(js) != 1:
         raise _Refuse("merges the sequence axis with another axis (reshape)")
-    for i, j in zip(src, dst):
-        if not same(_prod(s_in[:i]), _prod(s_out[:j])):
-            raise _Refuse("moves data across positions (reshape changes the sizes before the sequence axis)")
+    j = js[0]
+    seq = a.seq
+    outer = sympy.sympify(_expr(_prod(s_in[:i]))) * fa
+    fa_out = sympy.simplify(outer / sympy.sympify(_expr(_prod(s_out[:j]))))
+    fc_out = sympy.simplify(sympy.sympify(_expr(s_out[j])) / (fa_out * seq))
+    if seq in fa_out.free_symbols or seq in fc_out.free_symbols or not (_whole(fa_out) and _whole(fc_out)):
+        raise _Refuse("moves data across positions (reshape changes the sizes before the sequence axis)")
+    if not folding and (fa_out != 1 or fc_out != 1):
+        raise _Refuse("merges the sequence axis with another axis (reshape)")
+    if fa_out != 1 or fc_out != 1:
+        a.folds[node] = (j, fa_out, fc_out)
     return a.kind(x)
+
+
+#: view-like ops: :func:`_reshape` follows folded time axes through them.
+_RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten}
+
+#: ops that act on each row of their first operand alone, along which a folded time axis may stay.
+_ROW_WISE_PRODUCTS = {aten.addmm: ("mat1", "mat2", "self"), aten.mm: ("self", "mat2", None),
+                      aten.linear: ("input", "weight", "bias")}
+_SAME_ROWS = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.lift_fresh_copy}
+
+
+def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """An op on a token value whose time axis is folded with the batch (``(B*T, C)``): row-wise ops keep the
+    fold (pointwise ops whose inputs fold alike or carry no time axis, ``addmm``/``mm``/``linear`` contracting
+    another axis with constant weights, copies and casts, layer/RMS norms over other axes); others are refused."""
+    target = node.target
+    packet = target.overloadpacket  # type: ignore[union-attr]
+    nd = len(shape_of(node) or ())
+    refuse = _Refuse("acts on a tensor whose batch and sequence axes are folded into one (a reshape such as "
+                     "(B, T, C) -> (B*T, C)); attnopt follows such a tensor only through row-wise ops (pointwise, "
+                     "addmm/mm/linear, layer norm, casts) and a reshape that unfolds it")
+    tensors = [x for x in _flat(kw) if isinstance(x, fx.Node) and a.kind(x) != SHAPE]
+    a.no_length([x for x in _flat(kw) if not (isinstance(x, fx.Node) and a.kind(x) != SHAPE)])
+    if torch.Tag.pointwise in target.tags:  # type: ignore[union-attr]
+        folds = set()
+        for x in tensors:
+            if x in a.folds:
+                i, fa, fc = a.folds[x]
+                folds.add((i + nd - len(shape_of(x) or ()), fa, fc))
+            elif a.axes(x) or a.stretched(x):
+                raise refuse
+        if len(folds) != 1:
+            raise refuse
+        a.folds[node] = folds.pop()
+        return a.strongest(tensors)
+    if packet in _ROW_WISE_PRODUCTS:
+        rows, weight, bias = (kw.get(n) if n else None for n in _ROW_WISE_PRODUCTS[packet])
+        ok = rows in a.folds and a.folds[rows][0] < len(shape_of(rows) or ()) - 1 and a.kind(weight) == CONST \
+            and (not isinstance(bias, fx.Node) or a.kind(bias) == CONST)
+        if not ok:
+            raise refuse
+        a.folds[node] = a.folds[rows]
+        return TOKEN
+    x = kw.get("self", kw.get("input"))
+    if x not in a.folds:
+        raise refuse
+    if packet in _SAME_ROWS and len(shape_of(node) or ()) == len(shape_of(x) or ()):
+        a.no_length({k: v for k, v in kw.items() if k not in ("self", "input")})
+    elif packet in (aten.layer_norm, aten.rms_norm) and a.folds[x][0] < nd - len(kw["normalized_shape"]):
+        for p in ("weight", "bias"):
+            if isinstance(kw.get(p), fx.Node) and a.kind(kw[p]) != CONST:
+                raise refuse
+    else:
+        raise refuse
+    a.folds[node] = a.folds[x]
+    return TOKEN
 
 
 def _along(*names: str, default_all: bool = False):
@@ -569,4 +676,34 @@ def offset_positions(gm: fx.GraphModule, plan: PositionPlan, offset: fx.Node) ->
     return gm
 
 
-__all__ = ["PositionError", "PositionPlan", "analyse_positions", "describe", "offset_positions"]
+def index_positions(gm: fx.GraphModule, plan: PositionPlan) -> fx.GraphModule:
+    """A copy of ``gm`` (sharing its modules and tensors) whose position readers read a last input ``positions``.
+
+    ``positions`` holds one position per time step (``(T,)`` long): ``arange(T)`` becomes ``positions`` (in
+    arange's dtype), ``table[:T]`` along dim ``d`` becomes ``table.index_select(d, positions)``. Call it before
+    :func:`offset_positions` (``plan`` names ``gm``'s nodes). The proof that every time step is computed from its
+    own token and position alone (outside the sites) holds for any positions, so a ragged batch can run with
+    its rows folded into the time axis, each slot carrying its row's position. Ends with ``lint()``.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        positions = graph.placeholder("positions")
+    for old in plan.shifted:
+        node = env[old]
+        kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        assert kw is not None
+        kwargs = dict(kw.kwargs)
+        if node.target.overloadpacket is aten.slice:  # type: ignore[union-attr]
+            node.target, node.args, node.kwargs = aten.index_select.default, (kwargs["input"], kwargs["dim"],
+                                                                                positions), {}
+        else:
+            node.target, node.args = aten._to_copy.default, (positions,)
+            node.kwargs = {"dtype": meta_value(old).dtype, "device": meta_value(old).device}
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name=f"{type(gm).__name__}Rows")
+
+
+__all__ = ["PositionError", "PositionPlan", "analyse_positions", "describe", "index_positions", "offset_positions"]

@@ -2,7 +2,8 @@
 
 capture (``passes.kv_capture``) -> find sites -> keep the cacheable ones -> rewrite them to site
 modules -> swap each for a :class:`~attnopt.runtime.kv_cache.KVCacheAttention` -> prove positions
--> shift positions by the offset -> pin what the capture read. See :mod:`attnopt.generation`
+-> copy the graph with positions read from an input (ragged batches) -> shift positions by the offset
+-> pin what the capture read. See :mod:`attnopt.generation`
 for why the result computes the same function.
 """
 
@@ -23,7 +24,7 @@ from ..passes.kv_capture import (
     not_cacheable,
     resolve_max_len,
 )
-from ..passes.positions import analyse_positions, offset_positions
+from ..passes.positions import analyse_positions, index_positions, offset_positions
 from ..passes.rewrite_sdpa import rewrite_sites
 from ..runtime.cached_lm import CachedLM, watch_model
 from ..runtime.kv_cache import KVCacheAttention, MaskCheck
@@ -83,20 +84,22 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     example_len = 4 if declared is None else max(2, min(4, declared))
     gm, tokens, ep = capture_lm(model, example_len)       # 1. forward(idx) -> logits, dynamic batch and length
     _, found = find_in(gm, None)                           # 2. the sites, as for optimize()
-    chosen, notes, checks = _cacheable(gm, matches(found), tokens, declared)  # 3. proven causal ones only
+    probe = _probe(model, declared)                        # 3. proven causal (or window) ones only, masks checked
+    chosen, notes, checks = _cacheable(gm, matches(found), tokens, declared, probe)
     proofs = [(str(buf.target), cuts, values, m.record.name) for m in chosen
               for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
     if chosen:
         rewrite_sites(gm, chosen, "sdpa", {})              # 4. each to a site module ...
-    offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector)  # 5. ... then to a KV-cache site
+    offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector, checks)  # 5. ... then to a KV-cache site
     plan = analyse_positions(gm, tokens, site_nodes, notes)  # 6. the rest is position-wise (else PositionError)
-    offset_positions(gm, plan, offset)                     # 7. positions start at the offset
-    limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)  # 8. how long the caches are
-    for s in sites:
-        s.max_len = limit
-    lm = CachedLM(gm, sites, limit, source, cache_bytes_per_token(site_nodes, tokens), plan, type(model).__name__)
+    rows = index_positions(gm, plan)                       # 7. a copy reading one position per time step (ragged)
+    offset_positions(gm, plan, offset)                     # 8. positions start at the offset
+    limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)  # 9. how long the caches are
+    for s, node in zip(sites, site_nodes):
+        s.max_len, s.bytes_per_token = limit, cache_bytes_per_token(node, tokens)
+    lm = CachedLM(gm, sites, limit, source, plan, type(model).__name__, rows=rows)
     lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
-    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 9. pin what the capture read
+    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 10. pin what the capture read
     lm.memory_budget = budget
     if budget is not None and lm.bytes_per_sequence is not None and lm.bytes_per_sequence > budget:
         raise ValueError(f"one sequence of max_len={limit} needs {lm.bytes_per_sequence} B of K/V cache "
@@ -107,14 +110,14 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     return lm
 
 
-def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared: int | None
+def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared: int | None, probe: int
                ) -> tuple[list[Match], dict[fx.Node, str], list[MaskCheck]]:
     """The sites a cache may serve, a note per node of the others (for the position analysis), mask checks."""
     chosen, notes, checks = [], {}, []
     for m in found:
         why = not_cacheable(m.spec)
         if why is not None and m.spec.causal is None and m.spec.mask != "none":
-            check = mask_check(gm, m, tokens, min(8, declared or 8))  # a mask of sizes alone: causal?
+            check = mask_check(gm, m, tokens, min(8, declared or 8), probe)  # causal? a window?
             if isinstance(check, MaskCheck):
                 why, checks = not_cacheable(m.spec, mask_checked=True), [*checks, check]
             else:
@@ -128,9 +131,20 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
     return chosen, notes, checks
 
 
-def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None
+def _probe(model: nn.Module, declared: int | None) -> int:
+    """The length at which a mask checked at run time is read for a sliding window: past the window the config
+    names (``sliding_window``: a hint only, the mask decides), else 64 positions (within the model's limit)."""
+    config = getattr(model, "config", getattr(model, "cfg", None))
+    hint = getattr(config, "sliding_window", None)
+    probe = hint + 1 if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint < 4096 else 64
+    return min(probe, declared) if declared else probe
+
+
+def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None, checks: list[MaskCheck]
               ) -> tuple[fx.Node, list[KVCacheAttention], list[fx.Node]]:
-    """Add the ``offset`` input and replace every site module by a KV-cache site called ``(q, k, v, scale, offset)``."""
+    """Add the ``offset`` input and replace every site module by a KV-cache site called ``(q, k, v, scale, offset)``;
+    a site whose mask check found a sliding window keeps that window."""
+    windows = {c.site_name: c.window for c in checks}
     graph = gm.graph
     with graph.inserting_after(tokens):
         offset = graph.placeholder("offset")
@@ -141,6 +155,7 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
         old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
         q, k, v, _mask, scale = node.args[:5]
         site = KVCacheAttention(old.site_name, old.spec, 1, old.where, candidate=variant, selector=selector)
+        site.window = windows.get(old.site_name, site.window)
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)
         with graph.inserting_before(node):

@@ -24,7 +24,7 @@ from tabulate import tabulate
 from ..env import parse_bytes
 from ..kernels.bands import is_band
 from ..spec import PositionError
-from .kv_cache import KVCacheAttention, MaskCheck
+from .kv_cache import KVCacheAttention, MaskCheck, Rows
 
 
 class ModelChangedError(RuntimeError):
@@ -352,38 +352,53 @@ class CachedLM:
     """A causal LM that runs new tokens only, attending to cached keys and values.
 
     Built by :func:`~attnopt.pipeline.kv.cached`. ``prefill(idx)`` starts a batch of sequences; ``step(tokens)`` appends
-    tokens to all of them. ``length`` is the number of positions cached so far. The token ids of the
-    sequences are kept (``batch * max_len`` ids), so that a ``step`` after the model's weights were written
-    in place can recompute the whole sequence with the new weights (see :meth:`step`).
+    tokens to all of them. ``length`` is the number of positions cached so far (the longest sequence's). The token
+    ids of the sequences are kept (``batch * max_len`` ids), so that a ``step`` after the model's weights were
+    written in place can recompute the whole sequence with the new weights (see :meth:`step`).
+
+    A *ragged* batch (``prefill(idx, attention_mask)`` with left padding) holds sequences of different lengths:
+    each starts at position 0 and is computed as if it ran alone (the padding is never attended). Its calls run
+    :attr:`rows_module`, the cached graph with the rows folded into the time axis (see
+    :class:`~attnopt.runtime.kv_cache.Rows`), never compiled.
 
     Attributes:
-        max_len: positions the caches hold (prompt plus generated tokens fed back).
+        max_len: positions a sequence may reach (prompt plus generated tokens fed back).
         bytes_per_token: cache bytes per position of one sequence (K and V of every site).
-        cache_bytes: bytes allocated now (``batch * max_len * bytes_per_token`` after a prefill).
+        bytes_per_sequence: cache bytes one sequence takes: ``bytes_per_token * max_len``, less where a
+            sliding-window site keeps only its window.
+        cache_bytes: bytes allocated now (``batch * bytes_per_sequence`` after a prefill).
+        lengths: ``(batch,)`` positions cached per sequence of a ragged batch, else None.
         sites: the cached attention modules, in graph order.
         graph_module: the rewritten graph, ``forward(tokens, offset) -> logits``.
+        rows_module: the same with ``forward(tokens (1, R*t), rows, positions) -> logits`` for ragged batches.
         plan: what the position analysis found (a :class:`~attnopt.passes.positions.PositionPlan`: shifted
             position readers, length bounds).
     """
 
     def __init__(self, graph_module: fx.GraphModule, sites: list[KVCacheAttention], max_len: int,
-                 max_len_source: str, bytes_per_token: int | None, plan: Any, name: str):
+                 max_len_source: str, plan: Any, name: str, rows: fx.GraphModule | None = None):
         self.graph_module = graph_module
+        self.rows_module = rows
         self.sites = sites
         self.max_len = max_len
         self.max_len_source = max_len_source
-        self.bytes_per_token = bytes_per_token
         self.plan = plan
         self.name = name
         self.memory_budget: int | None = None  # bytes the K/V caches may take (cached(..., memory_budget=))
         self.length = 0
+        self.lengths: torch.Tensor | None = None
         self.batch: int | None = None
         self.mask_checks: list[MaskCheck] = []
         self.watch: Watch | None = None  # the model's tensors the cache depends on (see Watch)
         self.run = graph_module  # or its torch.compile'd version (cached(..., compile=True))
-        self.tokens: torch.Tensor | None = None  # (batch, max_len): the ids of positions 0 .. length - 1
+        self.tokens: torch.Tensor | None = None  # (batch, max_len): the ids of positions 0 .. length - 1 per row
         self.stale = False  # weights the graph reads were written since the caches were filled
         self.epoch = 0  # counts resets (every prefill starts one): who filled the caches last
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        per = [s.bytes_per_token for s in self.sites]
+        return None if any(p is None for p in per) else sum(per)  # type: ignore[misc]
 
     @property
     def cache_bytes(self) -> int:
@@ -393,29 +408,43 @@ class CachedLM:
         """Forget the cached sequences and free the caches."""
         for s in self.sites:
             s.reset()
-        self.length, self.batch, self.tokens, self.stale = 0, None, None, False
+        self.length, self.lengths, self.batch, self.tokens, self.stale = 0, None, None, None, False
         self.epoch += 1
 
-    def prefill(self, idx: torch.Tensor) -> torch.Tensor:
+    def prefill(self, idx: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run the prompt ``idx`` ``(B, T0)``; return its logits ``(B, T0, vocab)`` and cache K and V.
 
+        ``attention_mask`` ``(B, T0)`` (1 = token, 0 = padding) makes a ragged batch of left-padded prompts:
+        row ``b``'s tokens are ``idx[b, mask[b] == 1]``, at positions ``0 ..``, and its logits are those of that
+        prompt run alone (the logits at padding are not meaningful). A mask of ones is a plain batch.
         Computes with the model's weights as they are now (updates made in place before are used).
 
         Raises:
             ModelChangedError: the model is no longer the one captured (see :class:`ModelChangedError`).
         """
         check_tokens(idx, "idx")
+        pad = None if attention_mask is None else padding_of(attention_mask, idx)
         self.reset()
         if self.watch is not None:
             self.watch.check()
-        self._check_room(idx.size(1))
-        self._check_budget(idx.size(0))
-        self._check_masks(idx.size(0), idx.size(1), idx.device)
-        with torch.no_grad():
-            logits = self.run(idx, 0)
-        self.tokens = idx.new_empty((idx.size(0), self.max_len))
-        self.tokens[:, :idx.size(1)] = idx
-        self.length, self.batch = idx.size(1), idx.size(0)
+        batch, t = idx.shape
+        lengths = None if pad is None else t - pad
+        self._check_room(t if lengths is None else int(lengths.max()))
+        self._check_budget(batch)
+        if lengths is None:
+            self._check_masks(batch, t, idx.device)
+            with torch.no_grad():
+                logits = self.run(idx, 0)
+            self.tokens = idx.new_empty((batch, self.max_len))
+            self.tokens[:, :t] = idx
+        else:
+            assert pad is not None
+            self._check_rows(lengths, idx.device)
+            logits = self._run_rows(idx, torch.zeros_like(pad), pad)
+            self.tokens = idx.new_zeros((batch, self.max_len))  # row b's tokens from column 0
+            shift = (torch.arange(t, device=idx.device)[None, :] + pad[:, None]).clamp(max=t - 1)
+            self.tokens[:, :t] = idx.gather(1, shift)
+        self.length, self.lengths, self.batch = t if lengths is None else int(lengths.max()), lengths, batch
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -445,6 +474,8 @@ class CachedLM:
             except ModelChangedError:
                 self.stale = True  # whatever moved with it: recompute once the model is the captured one again
                 raise
+        if self.lengths is not None:
+            return self._step_rows(tokens)
         t = tokens.size(1)
         end = self.length + t
         self._check_room(end)
@@ -460,6 +491,42 @@ class CachedLM:
         self.length = end
         return logits
 
+    def _step_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` for a ragged batch: row ``b`` continues at its own position ``lengths[b]``."""
+        assert self.lengths is not None and self.tokens is not None
+        t = tokens.size(1)
+        ends = self.lengths + t
+        self._check_room(int(ends.max()))
+        self._check_rows(ends, tokens.device)
+        new = self.lengths[:, None] + torch.arange(t, device=tokens.device)[None, :]
+        self.tokens.scatter_(1, new, tokens)
+        if self.stale:  # recompute every row from position 0: its history, left-padded to the longest
+            longest = int(ends.max())
+            pad = longest - ends
+            at = (torch.arange(longest, device=tokens.device)[None, :] - pad[:, None]).clamp(min=0)
+            logits = self._run_rows(self.tokens.gather(1, at), torch.zeros_like(pad), pad)[:, -t:]
+            self.stale = False
+        else:
+            logits = self._run_rows(tokens, self.lengths, torch.zeros_like(self.lengths))
+        self.lengths, self.length = ends, int(ends.max())
+        return logits
+
+    def _run_rows(self, ids: torch.Tensor, start: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Logits ``(R, t, vocab)`` of ``ids`` ``(R, t)``, row ``b`` at ``start[b]`` after ``pad[b]`` padding slots."""
+        if self.rows_module is None:
+            raise RuntimeError(f"this cached {self.name} cannot serve ragged batches (it has no rows module); "
+                               "build it with attnopt.generation.cached(model)")
+        rows = Rows(start, pad, ids.size(1))
+        with torch.no_grad():
+            logits = self.rows_module(ids.reshape(1, -1), rows, rows.positions)
+        return logits.reshape(ids.size(0), ids.size(1), -1)
+
+    def _check_rows(self, lengths: torch.Tensor, device: torch.device) -> None:
+        """Each sequence of a ragged batch is computed as if alone: the mask checks hold for one of its length."""
+        if self.mask_checks:
+            for n in sorted(set(lengths.tolist())):
+                self._check_masks(1, n, device)
+
     def _check_masks(self, batch: int, length: int, device: torch.device) -> None:
         for c in self.mask_checks:
             try:
@@ -467,14 +534,15 @@ class CachedLM:
             except Exception as e:
                 raise PositionError(f"the mask of {c.site_name} ({c.where}) could not be evaluated for {batch} "
                                     f"sequence(s) of {length} tokens: {type(e).__name__}: {e}") from e
+            shape = "causal" if c.window is None else f"a causal window of {c.window} keys"
             if not ok and c.changed is not None:
                 raise ModelChangedError(
                     f"`{c.changed}` of {self.name} changed after attnopt.generation.cached(model), and the mask of "
-                    f"{c.site_name} ({c.where}) it builds is no longer causal for {batch} sequence(s) of {length} "
+                    f"{c.site_name} ({c.where}) it builds is no longer {shape} for {batch} sequence(s) of {length} "
                     "tokens; call attnopt.generation.cached(model) again to build the cached model from the model "
                     "as it is now")
             if not ok:
-                raise PositionError(f"the mask of {c.site_name} ({c.where}) is not causal for {batch} sequence(s) "
+                raise PositionError(f"the mask of {c.site_name} ({c.where}) is not {shape} for {batch} sequence(s) "
                                     f"of {length} tokens, so the cache would not compute what the model does")
 
     def _check_room(self, needed: int) -> None:
@@ -483,48 +551,75 @@ class CachedLM:
                              "build the cached model with a larger max_len if the model allows it, "
                              "or start again with a shorter sequence")
 
+    def _bytes_for(self, length: int) -> int | None:
+        """Cache bytes of one sequence whose caches hold ``length`` positions (a window site: at most its window)."""
+        per = [s.bytes_per_token for s in self.sites]
+        if any(p is None for p in per):
+            return None
+        return sum(p * (length if s.window is None else min(s.window, length))  # type: ignore[operator]
+                   for p, s in zip(per, self.sites))
+
     @property
     def bytes_per_sequence(self) -> int | None:
-        """Cache bytes one sequence takes: the caches are allocated for ``max_len`` positions at prefill."""
-        return None if self.bytes_per_token is None else self.bytes_per_token * self.max_len
+        """Cache bytes one sequence takes: the caches are allocated for ``max_len`` positions (a sliding-window
+        site: its window) at prefill."""
+        return self._bytes_for(self.max_len)
+
+    def _longest(self, budget: int) -> int:
+        """The largest ``max_len`` whose sequence fits in ``budget`` bytes (may exceed the model's limit)."""
+        lo, hi = 0, 1
+        while (self._bytes_for(hi) or 0) <= budget and hi < 2**40:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if (self._bytes_for(mid) or 0) <= budget else (lo, mid)
+        return lo
 
     def sequences_that_fit(self, budget: int | str | None = None, length: int | None = None) -> int | None:
         """How many sequences of ``length`` positions (default ``max_len``) fit in ``budget`` bytes of cache.
 
         ``budget`` defaults to the ``memory_budget`` given to :func:`~attnopt.pipeline.kv.cached`. The caches
-        of this cached model hold ``max_len`` positions per sequence whatever the length used; build it with
-        ``max_len=length`` to have that many fit. None when the bytes per position or the budget are unknown.
+        of this cached model hold ``max_len`` positions per sequence (a sliding-window site: its window) whatever
+        the length used; build it with ``max_len=length`` to have that many fit. None when the bytes per position
+        or the budget are unknown.
         """
         budget = self.memory_budget if budget is None else parse_bytes(budget)
         if budget is None or self.bytes_per_token is None:
             return None
         if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
             raise ValueError(f"length must be a positive int or None, got {length!r}")
-        return budget // (self.bytes_per_token * (length or self.max_len)) if self.bytes_per_token else None
+        per = self._bytes_for(length or self.max_len)
+        return budget // per if per else None
 
     def _check_budget(self, batch: int) -> None:
         per = self.bytes_per_sequence
         if self.memory_budget is None or per is None or batch * per <= self.memory_budget:
             return
         fit = self.memory_budget // per
-        longest = self.memory_budget // (batch * self.bytes_per_token) if self.bytes_per_token else 0
         raise ValueError(
             f"a batch of {batch} sequence(s) needs {_size(batch * per)} of K/V cache ({self.bytes_per_token} B per "
             f"position per sequence, max_len={self.max_len}), more than memory_budget={_size(self.memory_budget)}: "
-            f"use a batch of at most {fit}, or build the cached model with max_len <= {longest} for this batch "
+            f"use a batch of at most {fit}, or build the cached model with max_len <= "
+            f"{self._longest(self.memory_budget // batch)} for this batch "
             f"(attnopt.generation.cached(model, max_len=...)), or give a larger memory_budget")
 
     def describe(self) -> str:
         """Sites, length limit and cache memory as text."""
-        checked = {c.site_name for c in self.mask_checks}
+        checked = {c.site_name: c for c in self.mask_checks}
         rows = [[s.site_name, s.where, s.spec.describe()
-                 + (" (mask checked causal at each length)" if s.site_name in checked else "")] for s in self.sites]
+                 + ("" if s.site_name not in checked else " (mask checked causal at each length)"
+                    if checked[s.site_name].window is None else
+                    f" (mask checked a causal window of {checked[s.site_name].window} at each length)")
+                 + ("" if s.window is None else f"; cache keeps the last {s.capacity} positions")]
+                for s in self.sites]
         per = "unknown" if self.bytes_per_token is None else f"{self.bytes_per_token} B"
+        bounded = "max_len positions" + ("" if all(s.window is None for s in self.sites) else
+                                         ", sliding-window sites their window")
         lines = [f"attnopt cached {self.name}: {len(self.sites)} attention site(s) cached, "
                  f"max_len={self.max_len} ({self.max_len_source})",
                  f"cache: {per} per position per sequence"
                  + ("" if self.bytes_per_sequence is None else f", {_size(self.bytes_per_sequence)} per sequence "
-                    f"(max_len positions)") + f"; allocated {_size(self.cache_bytes)}"
+                    f"({bounded})") + f"; allocated {_size(self.cache_bytes)}"
                  + (f" for batch {self.batch}, {self.length} position(s) used" if self.batch else ""),
                  *([f"memory budget {_size(self.memory_budget)}: {self.sequences_that_fit()} sequence(s) of "
                     f"max_len={self.max_len} fit"] if self.memory_budget is not None else []),
@@ -553,9 +648,58 @@ def check_tokens(idx: Any, what: str) -> None:
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int):
         got = f"{tuple(idx.shape)} {idx.dtype}" if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(f"{what} must be token ids of shape (batch, length) and dtype torch.long, got {got}; "
-                         "add a batch dim with idx[None]")
+                         "add a batch dim with idx[None]" + (", or pass prompts of different lengths as a list of "
+                                                             "1-D tensors" if isinstance(idx, list) else ""))
     if idx.size(1) < 1:
         raise ValueError(f"{what} must hold at least one token per sequence")
+
+
+def padding_of(attention_mask: Any, idx: torch.Tensor) -> torch.Tensor | None:
+    """``(B,)`` padding slots before each row's tokens, read from a left-padded ``attention_mask``; None if none."""
+    m = attention_mask
+    if not isinstance(m, torch.Tensor) or tuple(m.shape) != tuple(idx.shape) or m.is_floating_point() \
+            or m.is_complex():
+        got = f"{tuple(m.shape)} {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+        raise ValueError(f"attention_mask must be a (batch, length) = {tuple(idx.shape)} tensor of 0/1 (or bool) "
+                         f"like the token ids, got {got}")
+    if m.device != idx.device:
+        raise ValueError(f"attention_mask is on {m.device} but the token ids on {idx.device}")
+    m = m.long()
+    if bool(((m != 0) & (m != 1)).any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    empty = (~m.bool().any(1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask row(s) {empty} hold no token: give every sequence at least one token "
+                         "(a prompt of one token is enough), or leave the row out of the batch")
+    if not bool(m[:, -1].all()) or bool((m[:, 1:] < m[:, :-1]).any()):
+        rows = sorted(set((~m[:, -1].bool()).nonzero().flatten().tolist())
+                      | set((m[:, 1:] < m[:, :-1]).any(1).nonzero().flatten().tolist()))
+        raise ValueError(f"attention_mask row(s) {rows} are not left-padded (zeros, then the tokens, ones to the "
+                         "end): decoder-only generation appends after the last token, so pad on the left "
+                         "(tokenizer.padding_side = 'left'), or pass the prompts as a list of 1-D tensors")
+    pad = (m == 0).sum(1)
+    return pad if bool(pad.any()) else None
+
+
+def left_pad(prompts: Any, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths (1-D token tensors) as left-padded ids ``(B, T)`` and their attention mask."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of 1-D token tensors, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype not in (torch.long, torch.int) \
+                or p.numel() < 1:
+            got = f"{tuple(p.shape)} {p.dtype}" if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"prompt {i} must be a 1-D tensor of at least one token id (torch.long), got {got}")
+        if p.device != prompts[0].device or p.dtype != prompts[0].dtype:
+            raise ValueError(f"prompt {i} is {p.dtype} on {p.device}, prompt 0 {prompts[0].dtype} on "
+                             f"{prompts[0].device}: give every prompt the same dtype and device")
+    longest = max(p.numel() for p in prompts)
+    ids = prompts[0].new_full((len(prompts), longest), pad_id)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long, device=ids.device)
+    for i, p in enumerate(prompts):
+        ids[i, longest - p.numel():] = p
+        mask[i, longest - p.numel():] = 1
+    return ids, mask
 
 
 def watch_model(model: nn.Module, gm: fx.GraphModule, proofs: list[tuple[str, Any, Any, str]],

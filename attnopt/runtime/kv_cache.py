@@ -1,22 +1,70 @@
 """The KV-cache site: causal self-attention over a preallocated cache, and the run-time mask check.
 
-:class:`KVCacheAttention` writes the new keys and values at ``offset`` and attends over the cache
-through the per-call dispatch every site kind shares (:class:`~attnopt.runtime.dispatch.DispatchingSite`):
-the candidate chosen (and for ``"auto"`` tuned) per shape key, checked against the reference, with fallbacks.
-:class:`MaskCheck` evaluates a mask built from sizes alone at each new ``(batch, length)``.
+:class:`KVCacheAttention` writes the new keys and values into its cache and attends over it through the
+per-call dispatch every site kind shares (:class:`~attnopt.runtime.dispatch.DispatchingSite`): the
+candidate chosen (and for ``"auto"`` tuned) per shape key, checked against the reference, with fallbacks.
+A site whose attention is a proven causal sliding window of ``w`` keys keeps only the last ``w`` positions
+(a ring buffer: position ``j`` lives in slot ``j % w``). :class:`Rows` describes a ragged batch, whose
+sequences sit at different positions, folded into one time axis. :class:`MaskCheck` evaluates a mask built
+from sizes alone at each new ``(batch, length)``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..kernels.bands import band_pattern, window_keep
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout
 
 aten = torch.ops.aten
+
+
+class Rows:
+    """A ragged batch's call: ``rows`` sequences of ``t`` slots each, folded into one time axis of ``rows * t``.
+
+    Row ``b`` has ``start[b]`` positions cached before this call; its first ``pad[b]`` slots are padding
+    (left padding of a prompt: never written to the cache, never attended), the others hold positions
+    ``start[b] .. start[b] + t - pad[b] - 1``. A padding slot is given the row's first position (its result
+    is not used; it attends to that key only, so it stays finite). The cached graph reads ``positions``
+    (``(rows * t,)``, row-major) where the model reads ``arange(T)``, and every site receives this object.
+    """
+
+    def __init__(self, start: torch.Tensor, pad: torch.Tensor, t: int):
+        self.start, self.pad, self.t = start, pad, t
+        self.rows = start.numel()
+        slot = torch.arange(t, device=start.device)
+        self.real = slot[None, :] >= pad[:, None]  # (R, t)
+        self.at = start[:, None] + (slot[None, :] - pad[:, None]).clamp(min=0)  # (R, t) the slots' positions
+        self.end = start + t - pad  # (R,) positions cached after this call
+        self.fresh = not bool(start.any())
+        self.positions = self.at.reshape(-1)
+        self._keep: dict[tuple[Any, ...], torch.Tensor] = {}  # the sites' masks, shared by sites alike
+
+    def keep(self, key: tuple[Any, ...], build: Any) -> torch.Tensor:
+        if key not in self._keep:
+            self._keep[key] = build()
+        return self._keep[key]
+
+
+def _slot_positions(filled: torch.Tensor, size: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, size)`` positions held by slots ``0 .. size-1`` of ring caches with ``filled`` ``(R,)`` positions
+    written (slot ``s`` holds the last ``j < filled`` with ``j % capacity == s``), and whether one is held."""
+    s = torch.arange(size, device=filled.device)[None, :]
+    last = filled[:, None] - 1
+    return s + capacity * torch.div(last - s, capacity, rounding_mode="floor"), s <= last
+
+
+def _window_keep(at: torch.Tensor, held: torch.Tensor, valid: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``(R, t, K)``: query at ``at`` ``(R, t)`` keeps key at ``held`` ``(R, K)`` (``valid``) iff causal, in window."""
+    keep = valid[:, None, :] & (held[:, None, :] <= at[:, :, None])
+    if window is not None:
+        keep &= held[:, None, :] > at[:, :, None] - window
+    return keep
 
 
 class KVCacheAttention(DispatchingSite):
@@ -24,19 +72,29 @@ class KVCacheAttention(DispatchingSite):
 
     q: ``(..., t, D)`` for the ``t`` new positions ``offset .. offset + t - 1``; k, v: their keys and
     values (``(..., Hkv, t, D)``, unrepeated for GQA). The cache is allocated on the first call at
-    offset 0 with ``max_len`` positions. ``candidate`` and ``selector`` are the dispatch's
-    (:class:`~attnopt.runtime.dispatch.DispatchingSite`): a candidate's name, or ``"auto"`` with a selector.
+    offset 0 with ``capacity`` positions: ``max_len``, or the window for a sliding-window site (then
+    the keys more than ``window - 1`` positions back are overwritten, never attended). ``offset`` may
+    be a :class:`Rows` instead (a ragged batch folded into the time axis). ``candidate`` and ``selector``
+    are the dispatch's (:class:`~attnopt.runtime.dispatch.DispatchingSite`): a candidate's name, or
+    ``"auto"`` with a selector.
     """
 
     def __init__(self, name: str, spec: AttentionSpec, max_len: int, where: str = "", candidate: str = "sdpa",
                  selector: Any = None):
         super().__init__(name, spec, candidate, where=where, selector=selector)
         self.max_len = max_len
+        self.window = spec.window
+        self.bytes_per_token: int | None = None  # K and V bytes per position of one sequence (set by cached())
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    @property
+    def capacity(self) -> int:
+        """Positions the cache holds per sequence: ``max_len``, or at most the window."""
+        return self.max_len if self.window is None else min(self.window, self.max_len)
+
     def extra_repr(self) -> str:
-        return f"{self.site_name}: max_len={self.max_len}, {self.candidate}, {self.spec.describe()}"
+        return f"{self.site_name}: capacity={self.capacity}, {self.candidate}, {self.spec.describe()}"
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = None
@@ -46,29 +104,114 @@ class KVCacheAttention(DispatchingSite):
         return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache) if t is not None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                offset: int) -> torch.Tensor:
-        t = q.size(-2)
-        end = offset + t
-        if self.k_cache is None or offset == 0:
-            self.k_cache = k.new_empty((*k.shape[:-2], self.max_len, k.size(-1)))
-            self.v_cache = v.new_empty((*v.shape[:-2], self.max_len, v.size(-1)))
-        assert self.v_cache is not None
-        self.k_cache[..., offset:end, :] = k
-        self.v_cache[..., offset:end, :] = v
-        keys, values = self.k_cache[..., :end, :], self.v_cache[..., :end, :]
-        q, keys, values, lead = candidate_layout(q, keys, values)
-        mask = None
-        if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
-            mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        kwargs = dict(attn_mask=mask, dropout_p=0.0, is_causal=t > 1 and t == end,
-                      scale=self.spec.scale if scale is None else float(scale), enable_gqa=self.spec.gqa)
-        with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            out = self.run_candidate(q, keys, values, kwargs)  # chosen, checked per shape key, with fallbacks
-        if lead:
-            out = out.reshape(out.shape[lead:])
+                offset: int | Rows) -> torch.Tensor:
+        kwargs = dict(dropout_p=0.0, scale=self.spec.scale if scale is None else float(scale),
+                      enable_gqa=self.spec.gqa)
+        if isinstance(offset, Rows):
+            out = self._rows(q, k, v, offset, kwargs)
+        elif self.window is None:
+            out = self._prefix(q, k, v, offset, kwargs)
+        else:
+            out = self._ring(q, k, v, offset, kwargs)
         if self.spec.out_dtype is not None and out.dtype != self.spec.out_dtype:
             out = out.to(self.spec.out_dtype)
         return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool, kwargs: dict) -> torch.Tensor:
+        q, keys, values, lead = candidate_layout(q, keys, values)
+        if mask is not None:
+            mask = mask.reshape((1,) * max(0, 4 - mask.dim()) + mask.shape)
+        with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
+            out = self.run_candidate(q, keys, values, dict(kwargs, attn_mask=mask, is_causal=causal))
+        return out.reshape(out.shape[lead:]) if lead else out
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor, lead: tuple[int, ...], zeros: bool) -> None:
+        new = torch.zeros if zeros else torch.empty
+        self.k_cache = new((*lead, self.capacity, k.size(-1)), dtype=k.dtype, device=k.device)
+        self.v_cache = new((*lead, self.capacity, v.size(-1)), dtype=v.dtype, device=v.device)
+
+    def _prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, kwargs: dict) -> torch.Tensor:
+        """Every position kept: write at ``offset``, attend over ``cache[:offset + t]`` aligned bottom-right."""
+        t = q.size(-2)
+        end = offset + t
+        if self.k_cache is None or offset == 0:
+            self._allocate(k, v, k.shape[:-2], zeros=False)
+        assert self.k_cache is not None and self.v_cache is not None
+        self.k_cache[..., offset:end, :] = k
+        self.v_cache[..., offset:end, :] = v
+        mask = None
+        if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
+            mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        return self._attend(q, self.k_cache[..., :end, :], self.v_cache[..., :end, :], mask, t > 1 and t == end,
+                            kwargs)
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, kwargs: dict) -> torch.Tensor:
+        """A sliding window of ``w`` keys over a ring of ``capacity`` slots (position ``j`` in slot ``j % cap``)."""
+        t, cap, w = q.size(-2), self.capacity, self.window
+        assert w is not None
+        end = offset + t
+        if self.k_cache is None or offset == 0:
+            self._allocate(k, v, k.shape[:-2], zeros=True)
+        assert self.k_cache is not None and self.v_cache is not None
+        if t == 1 and offset > 0:
+            # the slot written held position offset - capacity, outside the window (capacity >= w or = max_len)
+            self.k_cache[..., offset % cap, :] = k[..., 0, :]
+            self.v_cache[..., offset % cap, :] = v[..., 0, :]
+            n = min(end, cap)  # every held slot is in the window: no mask, order is irrelevant to attention
+            return self._attend(q, self.k_cache[..., :n, :], self.v_cache[..., :n, :], None, False, kwargs)
+        at = torch.arange(offset, end, device=q.device)[None, :]
+        if offset == 0:  # the prompt attends to its own keys
+            keys, values = k, v
+            mask = None if t <= w else window_keep(t, t, w, q.device)
+        else:  # several tokens after a prefix: the ring's keys, then the new ones (written after attending)
+            held, valid = _slot_positions(torch.tensor([offset], device=q.device), cap, cap)
+            keys, values = torch.cat((self.k_cache, k), dim=-2), torch.cat((self.v_cache, v), dim=-2)
+            mask = _window_keep(at, torch.cat((held, at), 1), torch.cat((valid, torch.ones_like(at, dtype=torch.bool)),
+                                                                         1), w)[0]
+        out = self._attend(q, keys, values, mask, t > 1 and mask is None, kwargs)
+        first = max(offset, end - cap)  # only the last ``capacity`` new positions stay
+        slots = torch.arange(first, end, device=q.device) % cap
+        self.k_cache[..., slots, :] = k[..., first - offset:, :]
+        self.v_cache[..., slots, :] = v[..., first - offset:, :]
+        return out
+
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, kwargs: dict) -> torch.Tensor:
+        """A ragged batch: the folded time axis ``(..., R * t, D)`` as ``(R, ..., t, D)``, a key mask per row."""
+        r, t, cap, w = rows.rows, rows.t, self.capacity, self.window
+        q, k, v = (x.unflatten(-2, (r, t)).movedim(-3, 0) for x in (q, k, v))  # (R, ..., t, D)
+        if self.k_cache is None or rows.fresh:
+            self._allocate(k, v, k.shape[:-2], zeros=True)  # unwritten slots hold zeros: masked, never NaN
+        assert self.k_cache is not None and self.v_cache is not None
+        b, i = rows.real.nonzero(as_tuple=True)
+        if w is None or t == 1:  # writing first overwrites no key this call attends (capacity >= w)
+            slot = rows.at[b, i] % cap
+            self.k_cache[b, ..., slot, :] = k[b, ..., i, :]
+            self.v_cache[b, ..., slot, :] = v[b, ..., i, :]
+            n = min(cap, int(rows.end.max()))
+            keys, values = self.k_cache[..., :n, :], self.v_cache[..., :n, :]
+            mask = rows.keep(("after", cap, w), lambda: _window_keep(rows.at, *_slot_positions(rows.end, n, cap), w))
+        else:  # a window and several tokens: attend to the ring and the new keys, then write
+            if rows.fresh:
+                keys, values, kv_rows = k, v, (rows.at, rows.real)
+            else:
+                keys, values = torch.cat((self.k_cache, k), dim=-2), torch.cat((self.v_cache, v), dim=-2)
+                held, valid = _slot_positions(rows.start, cap, cap)
+                kv_rows = (torch.cat((held, rows.at), 1), torch.cat((valid, rows.real), 1))
+            mask = rows.keep(("before", cap, w, rows.fresh), lambda: _window_keep(rows.at, *kv_rows, w))
+        shape = q.shape
+        if q.dim() > 4:  # (R, 1, H, t, D): the dims before the heads into the rows
+            q, keys, values = (x.reshape(-1, *x.shape[-3:]) for x in (q, keys, values))
+        mask = mask[:, None].repeat_interleave(q.size(0) // r, dim=0) if q.dim() == 4 else mask
+        out = self._attend(q, keys, values, mask, False, kwargs)
+        out = out.reshape(*shape[:-1], out.size(-1))
+        if w is not None and t > 1:
+            stay = rows.at[b, i] >= (rows.end[b] - cap)  # only the last ``capacity`` positions of a row stay
+            b, i = b[stay], i[stay]
+            slot = rows.at[b, i] % cap
+            self.k_cache[b, ..., slot, :] = k[b, ..., i, :]
+            self.v_cache[b, ..., slot, :] = v[b, ..., i, :]
+        return out.movedim(0, -3).flatten(-3, -2)  # (..., R * t, D)
 
 
 class MaskCheck:
@@ -76,36 +219,55 @@ class MaskCheck:
     masks, built from position ids with comparisons and a packed-sequence ``cumsum``).
 
     The mask's subgraph (token ids enter only through their sizes) is a function of the batch size
-    and length alone. The cached model drops it and attends causally, which is exact exactly when
-    that function gives the causal pattern (keep ``j <= i``; masked entries ``-inf`` or the dtype's
-    minimum) at every length the cache serves: the cached model evaluates it for each new
-    ``(batch, length)`` before running (one mask computation, as the model itself does per call).
+    and length alone. The cached model drops it and attends causally (within ``window`` keys when one
+    was found), which is exact exactly when that function gives that pattern (keep ``i - window < j <= i``;
+    masked entries ``-inf`` or the dtype's minimum) at every length the cache serves: the cached model
+    evaluates it for each new ``(batch, length)`` before running (one mask computation, as the model
+    itself does per call).
     """
 
-    def __init__(self, module: fx.GraphModule, additive: bool, keep_when_true: bool, site_name: str, where: str):
+    def __init__(self, module: fx.GraphModule, additive: bool, keep_when_true: bool, site_name: str, where: str,
+                 window: int | None = None):
         self.module = module
         self.additive = additive  # an added mask (0 / -inf or the dtype's minimum), else a boolean one
         self.keep_when_true = keep_when_true
         self.site_name = site_name
         self.where = where
+        self.window = window
         self.checked: set[tuple[int, int]] = set()
         self.changed: str | None = None  # a model tensor it reads changed after cached() (see cached_lm.Watch)
 
-    def holds(self, batch: int, length: int, device: torch.device) -> bool:
-        """The mask for ``batch`` sequences of ``length`` tokens is exactly the causal pattern."""
-        if (batch, length) in self.checked:
-            return True
+    def keep(self, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """The mask for ``batch`` sequences of ``length`` tokens as a keep pattern ``(..., length, length)``."""
         with torch.no_grad():
             mask = self.module(torch.zeros(batch, length, dtype=torch.long, device=device))
         if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
-            return False
-        lower = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril().expand(mask.shape)
+            return None
         if self.additive:
             masked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min)
-            ok = torch.equal(mask == 0, lower) and bool((masked | lower).all())
-        else:
-            keep = mask if self.keep_when_true else ~mask
-            ok = torch.equal(keep, lower)
+            return None if not bool(((mask == 0) | masked).all()) else mask == 0
+        return mask if self.keep_when_true else ~mask
+
+    def holds(self, batch: int, length: int, device: torch.device) -> bool:
+        """The mask for ``batch`` sequences of ``length`` tokens is exactly the causal (window) pattern."""
+        if (batch, length) in self.checked:
+            return True
+        keep = self.keep(batch, length, device)
+        if keep is None:
+            return False
+        window = length if self.window is None else self.window
+        ok = torch.equal(keep, window_keep(length, length, window, keep.device).expand(keep.shape))
         if ok:
             self.checked.add((batch, length))
         return ok
+
+    def find_window(self, length: int, device: torch.device) -> int | None:
+        """The width of the causal window the mask keeps at ``length`` (None: none narrower than the length)."""
+        keep = self.keep(1, length, device)
+        if keep is None or any(s != 1 for s in keep.shape[:-2]):
+            return None
+        found = band_pattern(keep)
+        if found is None or found[1] != (False, True, False) or found[0][1] != 0:
+            return None
+        width = found[0][1] - found[0][0]
+        return width if 1 <= width < length and not math.isinf(width) else None
