@@ -83,6 +83,10 @@ class AttentionSpec:
         ndim: rank of q/k/v as written (2, 3 or 4); candidates see 4-D tensors.
         compute_dtype: dtype the products were computed in.
         out_dtype: dtype of the site's output as written.
+        sink: the scores carry an attention sink: one more logit column per query row (gpt-oss, learned
+            per-head sinks), dropped from the probabilities after the softmax. The rewrite passes it as
+            one more key whose value is zero (q, k and v widened in the graph; ``passes/rewrite_sdpa``), so
+            the site sees plain attention with ``Tk + 1`` keys and its mask (never ``is_causal``).
     """
 
     scale: float
@@ -102,6 +106,7 @@ class AttentionSpec:
     fill_value: float | None = None
     window: int | None = None
     conditions: int = 0
+    sink: bool = False
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -137,6 +142,8 @@ class AttentionSpec:
             parts.append("GQA")
         if self.score_mod:
             parts.append(f"score_mod {self.score_mod}")
+        if self.sink:
+            parts.append("attention sink (one more key)")
         return ", ".join(parts)
 
 

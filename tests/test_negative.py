@@ -52,9 +52,7 @@ LOOKALIKES = {
     # heads mixed between the product and the softmax (talking heads)
     "talking_heads": (lambda m, q, k, v: F.softmax(torch.einsum("bhqk,hg->bgqk", scores(q, k), m.mix), -1) @ v,
                       "between the product and the softmax"),
-    # an extra logit column before the softmax (attention sinks)
-    "attention_sink": (lambda m, q, k, v: F.softmax(torch.cat([scores(q, k), m.sink.expand(B, H, T, 1)], -1),
-                                                    -1)[..., :-1] @ v, "after the softmax"),
+    # (an extra logit column dropped after the softmax is an attention sink: tests/test_sinks.py)
     # a finite fill next to another mask: fully masked rows would average a different set of keys
     "fill_minus_1e4_and_minus_inf": (lambda m, q, k, v: F.softmax(scores(q, k).masked_fill(
         torch.ones(T, T, dtype=torch.bool).triu(1), -1e4).masked_fill(torch.eye(T, dtype=torch.bool), float("-inf")),
@@ -62,7 +60,7 @@ LOOKALIKES = {
     "fill_positive": (lambda m, q, k, v: F.softmax(torch.where(
         torch.ones(T, T, dtype=torch.bool).tril(), scores(q, k), 5.0), -1) @ v, "does not suppress the masked keys"),
 }
-PARAMS = {"talking_heads": {"mix": torch.randn(H, H)}, "attention_sink": {"sink": torch.randn(1, H, 1, 1)}}
+PARAMS = {"talking_heads": {"mix": torch.randn(H, H)}}
 
 
 def first(out):

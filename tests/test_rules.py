@@ -35,6 +35,7 @@ NAMES = (
     "masks are planned",
     "q and k share a floating dtype",
     "fills hold in the compute dtype",
+    "a sink is one more key",
     "v is floating",
     "assemble the match",
     "no in-place write inside the site",

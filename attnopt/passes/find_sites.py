@@ -5,10 +5,11 @@ Matches, for every softmax node, the chain around it in the canonical vocabulary
 
     product = q @ kT                          (matmul / bmm / einsum, K pre-transposed or not)
     scores  = product (* or / scalar)*        (scale after the product; a scale on q stays on q)
-                      (masked_fill | where | + mask)*   (masks, proven by passes/masks.py)
+                      (masked_fill | where | + mask | * m + c * (1 - m))*   (masks, proven by passes/masks.py)
                       (cast | contiguous)*
+                      [cat([scores, sink], -1) [- rowmax]]   (an attention sink, dropped after the softmax)
     probs   = softmax(scores, dim=last)       (any spelling, with or without dtype=)
-              (cast | dropout | contiguous)*
+              (cast | dropout | contiguous | [..., :-1] after a sink)*
     out     = probs @ v
 
 and emits a :class:`Match` (the nodes to replace and the proven :class:`AttentionSpec`) or a
@@ -24,7 +25,10 @@ variable names:
   not count), so nothing else sees the probabilities;
 * *scores come from q @ k^T*: back through scales, masks, biases, score modifiers and casts to the
   product (or ``baddbmm``), again every intermediate with exactly one user; a ``masked_fill``/``where``
-  fills a number, or a 0-d tensor built in the graph from one (``torch.full([], finfo.min)``);
+  fills a number, or a 0-d tensor built in the graph from one (``torch.full([], finfo.min)``); a blend
+  ``scores * m + c * (1 - m)`` is a fill of ``c`` where a 0/1 factor ``m`` is 0; an attention sink's
+  concatenation (and a shift by the row maximum, which softmax ignores) is read here too; ``s + 0`` is no
+  step at all;
 * *conversions keep every value*: only widening casts (or back to the compute dtype; v's on the
   probabilities);
 * *scale, score modifier, then masks*: the scale is a scalar; an elementwise modifier comes before
@@ -42,6 +46,9 @@ variable names:
   ``-inf``) only where no row can be masked entirely;
 * *q and k share a floating dtype*, the compute dtype;
 * *fills hold in the compute dtype*: finite fills that stay exact;
+* *a sink is one more key*: an attention sink (``cat([scores, sink], -1)``, its column dropped after the
+  softmax) has a number as scale (a power of two in half types), no score modifier, no finite fill, and
+  the scores in the product's layout;
 * *v is floating*;
 * *assemble the match*: the :class:`AttentionSpec` and the :class:`Match` (never refuses);
 * *no in-place write inside the site*: nothing the site reads is written between its first read
@@ -115,6 +122,9 @@ class Match:
     k_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     v_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     out_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    #: attention-sink logits ``[..., Tq, 1]``: concatenated to the scores before the softmax, their column
+    #: dropped after it (see :func:`attnopt.passes.rewrite_sdpa.sink_operands`)
+    sink: fx.Node | None = None
 
 
 class NearMiss(Refusal):
@@ -245,12 +255,15 @@ def reads_only_shape(user: fx.Node, node: fx.Node) -> bool:
     return bool(targets & _SYM_SIZES) and user.args[0] is node and node not in user.args[1:]
 
 
-def _only_user(node: fx.Node, what: str) -> fx.Node:
+def _only_user(node: fx.Node, what: str, expected: fx.Node | None = None) -> fx.Node:
+    """The one user of ``node`` that reads its values (``expected``, the next step of the match, when given)."""
     users = [u for u in node.users if not reads_only_dtype(u, node) and not reads_only_shape(u, node)]
     if len(users) != 1:
         # name the unexpected users first: the caller, then anything that is not the next attention step
         named = sorted(users, key=lambda u: (u.op != "output", _is_attention_step(u)))
-        if len(named) > 1 and _is_attention_step(named[-1]):
+        if expected is not None and expected in named and len(named) > 1:
+            named.remove(expected)
+        elif len(named) > 1 and _is_attention_step(named[-1]):
             named = named[:-1]
         others = "; ".join(_user_desc(u, node) for u in named[:3])
         raise NearMiss(f"the {what} are {others or 'not used'}: they cannot be replaced by a fused kernel that "
@@ -532,6 +545,9 @@ class _Partial:
     q_dtype: torch.dtype | None = None
     site_lead: int | None = None  # the site's number of leading dims, when views changed them
     relayouts: tuple[Any, ...] = ((), (), (), ())  # q, k, v, out (see Match)
+    # an attention sink: the probabilities lose one key column, the scores gained it by a concatenation
+    sink_drop: str | None = None  # "first" | "last": the column the probabilities drop
+    sink: fx.Node | None = None  # the sink logits concatenated to the scores, shape [..., Tq, 1]
     match: Match | None = None
 
 
@@ -577,6 +593,12 @@ def _forward_to_pv(st: _Partial) -> None:
             cur = user
         elif op.kind == "transpose" and op.args[0] is cur and (op.args[1], op.args[2]) == (st.nd - 2, st.nd - 1):
             _transposed_pv(st, cur, user, op)
+        elif op.kind == "getitem" and op.args[0] is cur and st.sink_drop is None \
+                and _drops_one_key(op.args[1], st.nd) is not None:
+            st.sink_drop = _drops_one_key(op.args[1], st.nd)  # checked against the scores in _back_to_product
+            st.record.spelling.append("[..., :-1]" if st.sink_drop == "last" else "[..., 1:]")
+            st.internal.append(user)
+            cur = user
         elif op.kind == "matmul":
             _pv(st, cur, user, op)
         else:
@@ -631,7 +653,9 @@ def _back_to_product(st: _Partial) -> None:
     post_spelling, record.spelling = record.spelling, []
     chain: list[tuple[str, Any]] = []  # collected backwards; reversed into program order below
     cur = st.scores_in
-    _only_user(cur, "attention scores")  # the softmax's own input: returned or stored elsewhere?
+    _only_user(cur, "attention scores", st.softmax)  # the softmax's own input: returned or stored elsewhere?
+    if st.sink_drop is not None:
+        cur = _sink_column(st, cur)
     while True:
         op = read(cur, st.gm)
         if op is None:
@@ -647,8 +671,18 @@ def _back_to_product(st: _Partial) -> None:
             if not _same_shape(nxt, cur):
                 st.views.insert(0, cur)
             st.internal.append(cur)
-            _only_user(nxt, "attention scores")
+            _only_user(nxt, "attention scores", cur)
             cur = nxt
+            continue
+        blend = _keep_blend(op, cur) if op.kind == "add" else None
+        if blend is not None:  # scores * m + c * (1 - m): a fill of c where the 0/1 factor m is 0
+            scores, m, c, replaced = blend
+            _only_user(replaced[0], "attention scores", cur)
+            chain.append(("mask", Fill(m, _stored(c, dtype_of(cur)), True, dtype_of(cur), binary=True)))
+            record.spelling.append("* m + c * (1 - m)")
+            st.internal.extend((cur, *replaced))
+            _only_user(scores, "attention scores", replaced[0])
+            cur = scores
             continue
         nxt = _step_back(op, cur, chain, record)
         if nxt is None:
@@ -657,7 +691,7 @@ def _back_to_product(st: _Partial) -> None:
             raise NearMiss(f"the scores pass through {op.spelling}{_at(cur)} between the product and the softmax",
                            NOT_ATTENTION)
         st.internal.append(cur)
-        _only_user(nxt, "attention scores")
+        _only_user(nxt, "attention scores", cur)
         cur = nxt
     chain.reverse()
     st.chain, st.product = chain, cur
@@ -666,6 +700,94 @@ def _back_to_product(st: _Partial) -> None:
     assert pop is not None
     record.spelling = [pop.spelling, *reversed(record.spelling), *post_spelling]
     st.q, st.k_t, st.k_transposed = pop.args if pop.kind == "matmul" else (pop.args[1], pop.args[2], False)
+
+
+def _drops_one_key(index: Any, nd: int) -> str | None:
+    """"last" for ``p[..., :-1]``, "first" for ``p[..., 1:]`` (every other axis whole), else None."""
+    full = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in full:
+        i = full.index(Ellipsis)
+        full = full[:i] + [slice(None)] * (nd - len(full) + 1) + full[i + 1:]
+    if len(full) != nd or not all(isinstance(e, slice) and e == slice(None) for e in full[:-1]):
+        return None
+    last = full[-1]
+    if last == slice(None, -1, None):
+        return "last"
+    if last == slice(1, None, None):
+        return "first"
+    return None
+
+
+_CATS = frozenset((torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default))
+
+
+def _sink_column(st: _Partial, cur: fx.Node) -> fx.Node:
+    """The scores behind an attention sink: ``cat([scores, sink], -1)`` (or ``[sink, scores]``, matching the
+    column the probabilities drop), optionally shifted by its row maximum first (``c - c.max(-1,
+    keepdim=True).values``: softmax does not change under a shift, nor does its gradient). Records the sink
+    (``[..., Tq, 1]``, the scores' dtype) and returns the scores."""
+    nodes: list[fx.Node] = []
+    shift = _row_max_shift(cur)
+    if shift is not None:
+        nodes.extend((cur, *shift[1]))
+        st.record.spelling.append("- rowmax")
+        cur = shift[0]
+    op_ok = cur.op == "call_function" and cur.target in _CATS
+    parts = cur.args[0] if op_ok and cur.args else None
+    dim = cur.kwargs.get("dim", cur.args[1] if len(cur.args) > 1 else 0) if op_ok else None
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and dim in (-1, st.nd - 1)):
+        raise NearMiss(f"the probabilities drop a key column{_at(st.softmax)} that is not an attention sink "
+                       "concatenated to the scores (`torch.cat([scores, sink], dim=-1)`)", LEFT_ALONE)
+    scores, sink = parts if st.sink_drop == "last" else parts[::-1]
+    ss, ks = shape_of(scores), shape_of(sink)
+    if not (isinstance(scores, fx.Node) and isinstance(sink, fx.Node) and ss is not None and ks is not None
+            and len(ks) == len(ss) and same(ks[-1], 1) and _same_dims(ks[:-1], ss[:-1])
+            and dtype_of(sink) == dtype_of(scores)):
+        raise NearMiss(f"the column concatenated to the scores{_at(cur)} is not a sink of shape [..., Tq, 1] in "
+                       "the scores' dtype", LEFT_ALONE)
+    # (its readers were checked: the softmax alone, or the shift and its maximum alone)
+    st.internal.extend((*nodes, cur))
+    st.record.spelling.append("cat(sink)")
+    st.sink = sink
+    st.s_shape = ss  # the scores' own shape: Tk keys, the sink's column aside
+    _only_user(scores, "attention scores", cur)
+    return scores
+
+
+def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(x, [max nodes])`` when ``node`` is ``x - x.max(-1, keepdim=True).values`` (or ``[0]``, ``amax``,
+    ``torch.max``/``torch.amax``, a ``.detach()`` on the maximum), each max node used only there."""
+    if not (node.op == "call_function" and node.target in (operator.sub, torch.sub)) or len(node.args) != 2:
+        return None
+    x, m = node.args
+    if not (isinstance(x, fx.Node) and isinstance(m, fx.Node)):
+        return None
+    chain: list[fx.Node] = []  # from the shift's operand back to the reduction (excluded)
+    cur = m
+    while len(cur.users) == 1 and isinstance(cur.args[0] if cur.args else None, fx.Node) and (
+            cur.op == "call_method" and cur.target == "detach"
+            or cur.op == "call_function" and cur.target is torch.detach
+            or cur.op == "call_function" and cur.target is operator.getitem and cur.args[1] == 0
+            or cur.op == "call_function" and cur.target is getattr and cur.args[1] == "values"):
+        chain.append(cur)
+        cur = cur.args[0]
+    if len(cur.users) != 1:
+        return None
+    reduced = cur.op == "call_method" and cur.target in ("max", "amax") or \
+        cur.op == "call_function" and cur.target in (torch.max, torch.amax)
+    if not reduced or not cur.args or cur.args[0] is not x:
+        return None
+    dim = cur.kwargs.get("dim", cur.args[1] if len(cur.args) > 1 else None)
+    keep = cur.kwargs.get("keepdim", cur.args[2] if len(cur.args) > 2 else False)
+    nd = len(shape_of(x) or ())
+    dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+    values = any(c.target in (operator.getitem, getattr) for c in chain)
+    if keep is not True or len(dims) != 1 or dims[0] not in (-1, nd - 1) or \
+            cur.target in ("max", torch.max) and not values:
+        return None  # torch.max(x, dim) returns (values, indices): only its values are a shift
+    if set(x.users) != {node, cur}:
+        return None
+    return x, [*chain, cur]
 
 
 def _casts(st: _Partial) -> None:
@@ -733,7 +855,7 @@ def _add_scale(st: _Partial, factor: Any, how: str) -> None:
                 st.mods.append(("mul", c))
             else:
                 st.scale *= c
-        else:
+        elif c != 1.0:  # a factor of one after a modifier changes nothing
             st.mods.append(("mul", c))
         return
     if value is None:
@@ -947,6 +1069,33 @@ def _fills(st: _Partial) -> None:
                                f"{st.q_dtype}, where that value does not exist")
 
 
+def _sink_rule(st: _Partial) -> None:
+    """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): the scale is
+    a number (the sink's column is ``scale * (sink / scale)``; in half types a power of two, so that quotient is
+    exact), no score modifier (it would change the sink's column too), no finite fill, and the site's own
+    layout (no views of the scores, ``P @ V`` as written)."""
+    if st.sink is None:
+        return
+    assert st.plan is not None
+    why = None
+    if st.score_mod is not None:
+        why = f"a score modifier ({st.score_mod.describe()}) is applied to the scores"
+    elif st.scale_tensors or st.scale_nodes:
+        why = "the scale is a tensor or a run-time number"
+    elif st.scale == 0.0:
+        why = "the scale is zero"
+    elif st.q_dtype in (torch.float16, torch.bfloat16) and math.frexp(abs(st.scale))[0] != 0.5:
+        why = (f"in {st.q_dtype} the sink's column would be rounded (the scale {st.scale:g} is no power of two: "
+               "head dims 4, 16, 64 and 256 give one)")
+    elif st.plan.bound_fill is not None:
+        why = f"the mask fills a finite value ({st.plan.bound_fill:g})"
+    elif st.views or st.v_transposed:
+        why = "the scores or probabilities are viewed in another layout, or v is multiplied transposed"
+    if why:
+        raise NearMiss(f"the attention sink is left as written: {why} (a sink becomes one more key with a number "
+                       "as scale, no score modifier, no finite fill, and the scores in the layout of q @ k^T)")
+
+
 def _v_dtype(st: _Partial) -> None:
     """v has a floating dtype."""
     v_dtype = dtype_of(st.v)
@@ -968,6 +1117,10 @@ def _assemble(st: _Partial) -> None:
         score_mod=st.score_mod.describe() if st.score_mod is not None else None, fill_value=plan.bound_fill,
         window=plan.window, conditions=len(plan.conditions),
     )
+    if st.sink is not None:  # one more key, never masked: no row is hidden entirely, the mask goes as a tensor
+        structural = plan.causal == "top_left" and not plan.guarded and not plan.conditions and plan.window is None
+        spec = replace(spec, causal=None, window=None, conditions=0, nan_rows=False, min_rows="none", sink=True,
+                       mask="bool" if structural else plan.kind)
     if plan.kind != "none":
         shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"
         record.spelling.append(f"mask({plan.fill_spelling}{shape})")
@@ -978,7 +1131,7 @@ def _assemble(st: _Partial) -> None:
                      dropout_p=dropout[0] if runtime_p else None, dropout_module=st.dropout_module,
                      internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed,
                      q_relayout=st.relayouts[0], k_relayout=st.relayouts[1], v_relayout=st.relayouts[2],
-                     out_relayout=st.relayouts[3])
+                     out_relayout=st.relayouts[3], sink=st.sink)
 
 
 def _no_write_in_window(st: _Partial) -> None:
@@ -1001,6 +1154,7 @@ RULES: tuple[tuple[str, Callable[[_Partial], None]], ...] = (
     ("masks are planned", _masks),  # passes/masks.py: one SDPA mask, causal or windowed where proven
     ("q and k share a floating dtype", _qk_dtype),  # the compute dtype
     ("fills hold in the compute dtype", _fills),  # finite fills that stay exact
+    ("a sink is one more key", _sink_rule),  # a number as scale, no modifier, the site's own layout
     ("v is floating", _v_dtype),  # no integer or bool values
     ("assemble the match", _assemble),  # the AttentionSpec and the Match; never refuses
     ("no in-place write inside the site", _no_write_in_window),  # the fused kernel reads what P @ V would
@@ -1320,7 +1474,8 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
         value = -float(op.args[1])
         if not math.isfinite(value):
             raise NearMiss(f"the scores are shifted by {value}")
-        chain.append(("mod", ("add", value)))
+        if value != 0.0:  # `s - 0` changes no score: no modifier (it would keep SDPA from serving the site)
+            chain.append(("mod", ("add", value)))
         record.spelling.append(f"- {-value:g}")
         return op.args[0]
     if k == "add":
@@ -1331,7 +1486,8 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
                 value = float(_scale_value(c))  # type: ignore[arg-type]
                 if not math.isfinite(value):
                     raise NearMiss(f"the scores are shifted by {value}")
-                chain.append(("mod", ("add", value)))  # an elementwise step (exact; SDPA cannot take it)
+                if value != 0.0:  # `s + 0` (DeBERTa's empty bias) changes no score: no modifier
+                    chain.append(("mod", ("add", value)))  # an elementwise step (exact; SDPA cannot take it)
                 record.spelling.append(f"+ {value:g}")
                 return s
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
@@ -1343,6 +1499,30 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
                 record.spelling.append("+ mask")
                 return s
         raise NearMiss("an addition between product and softmax has no score operand")
+    return None
+
+
+def _keep_blend(op: Op, node: fx.Node) -> tuple[fx.Node, fx.Node, float, tuple[fx.Node, ...]] | None:
+    """``(scores, m, c, (scores * m, c * (1 - m), 1 - m))`` when the addition ``node`` is ``scores * m + c * (1 - m)``
+    (either order of each operand; OpenAI-GPT's ``w * b + -1e4 * (1 - b)``) with a finite number ``c`` and
+    no dtype promotion; None otherwise. Where ``m`` is 1 the sum is the score, where it is 0 it is ``c``:
+    ``masked_fill(m == 0, c)``, with the same (zero) gradient at the filled positions, as long as ``m`` holds
+    only 0 and 1 (the mask proof reads a buffer's values; the rewrite checks the factor on every call)."""
+    for product, filler in ((op.args[0], op.args[1]), (op.args[1], op.args[0])):
+        pop, fop = read(product), read(filler)
+        if pop is None or fop is None or pop.kind != "mul" or fop.kind != "scale" or fop.args[2] != "mul":
+            continue
+        c = _scale_value(fop.args[1])
+        sop = read(fop.args[0])
+        if c is None or isinstance(c, torch.SymFloat) or not math.isfinite(c) or sop is None or sop.kind != "sub" \
+                or isinstance(sop.args[0], fx.Node) or _scale_value(sop.args[0]) != 1.0:
+            continue
+        m = sop.args[1]
+        for scores, factor in ((pop.args[0], pop.args[1]), (pop.args[1], pop.args[0])):
+            if factor is m and isinstance(scores, fx.Node) and isinstance(m, fx.Node) and _same_shape(scores, node) \
+                    and dtype_of(scores) == dtype_of(product) == dtype_of(filler) == dtype_of(node) \
+                    and len(filler.users) == 1 and len(fop.args[0].users) == 1:
+                return scores, m, float(c), (product, filler, fop.args[0])
     return None
 
 
@@ -1468,10 +1648,11 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
         elif op.kind == "where":
             cur = op.args[1] if isinstance(op.args[1], fx.Node) and _same_shape(op.args[1], cur) \
                 else op.args[2]
-        elif op.kind == "add":
-            a, b = op.args
-            return (_leads_to_product(a, depth - 1) if isinstance(a, fx.Node) else False) or \
-                (_leads_to_product(b, depth - 1) if isinstance(b, fx.Node) else False)
+        elif op.kind in ("add", "mul", "div"):
+            # an added bias, a per-head factor (SwinV2's learned logit scale), a 0/1 keep-mask factor
+            # (OpenAI-GPT's `w * b`): either operand of the result's shape may carry the scores
+            return any(isinstance(x, fx.Node) and (op.kind == "add" or _same_shape(x, cur))
+                       and _leads_to_product(x, depth - 1) for x in op.args[:2])
         else:
             return False
     return False

@@ -35,6 +35,8 @@ _CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_
 
 
 def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None:
+    if spec.sink:
+        return "has an attention sink (one more logit column), which the cache does not add yet"
     if spec.causal is None and not mask_checked:
         mask = "it has no mask" if spec.mask == "none" else f"its {spec.mask} mask is not proven causal"
         return f"is not proven to be causal self-attention ({mask})"
@@ -207,6 +209,8 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, pro
     if len(m.mask.terms) != 1:
         return "it combines several masks"
     term = m.mask.terms[0]
+    if getattr(term, "binary", False):
+        return "its mask is a 0/1 factor (`w * m + c * (1 - m)`), which the cache does not check"
     node = term.mask if isinstance(term, Add) else term.cond
     pending, seen = [node], set()
     while pending:

@@ -52,6 +52,10 @@ class Fill:
     #: method calls ``(name, args)`` that bring ``cond`` from the layout of the scores it was applied to (a
     #: view that folds or unfolds their leading axes) to the site's layout; empty when they are the same
     relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    #: ``cond`` is a 0/1 factor, not a bool: ``scores * cond + value * (1 - cond)`` (OpenAI-GPT), which keeps
+    #: the score where ``cond`` is 1 and fills ``value`` where it is 0; the rewrite checks on every call
+    #: that ``cond`` holds only those two values (:func:`attnopt.passes.rewrite_sdpa.binary_keep`)
+    binary: bool = False
 
 
 @dataclass(frozen=True)
@@ -656,6 +660,10 @@ def _keep_band(terms: list[Any], reader: BandReader, score_dtype: torch.dtype | 
     for t in terms:
         if isinstance(t, Fill):
             b = reader.band(t.cond)
+            if t.binary:  # a 0/1 factor keeps where it is 1
+                if not all(isinstance(v, (bool, int, float)) and v in (0, 1) for v in b.values):
+                    raise _Unknown
+                b = b.map(lambda v: v == 1)
             if not all(isinstance(v, bool) for v in b.values):
                 raise _Unknown
             k = b if t.keep_when_true else b.map(lambda v: not v)
@@ -724,7 +732,19 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
         return MaskPlan("none")
     fills = [t for t in terms if isinstance(t, Fill)]
     for f in fills:
-        if dtype_of(f.cond) != torch.bool:
+        if f.binary:
+            dt = dtype_of(f.cond)
+            if dt is None or dt.is_complex or dt == torch.bool:
+                return f"the 0/1 keep factor has dtype {dt}"
+            try:
+                values = BandReader(root, concrete).band(f.cond).values
+            except _Unknown:
+                values = ()
+            if not values or not all(isinstance(v, (bool, int, float)) and v in (0, 1) for v in values):
+                return (f"`scores * {f.cond.name} + c * (1 - {f.cond.name})` is a mask only where "
+                        f"`{f.cond.name}` holds nothing but 0 and 1, which attnopt cannot prove at capture (it "
+                        "reads buffers and constants: a soft or run-time factor is left as written)")
+        elif dtype_of(f.cond) != torch.bool:
             return f"the mask condition has dtype {dtype_of(f.cond)}, not torch.bool"
     finite = [f for f in fills if neg_large(f.value, f.dtype or score_dtype) is None]
     if finite:

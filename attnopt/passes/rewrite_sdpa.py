@@ -44,6 +44,75 @@ def _relaid(graph: fx.Graph, x: fx.Node, steps: tuple[tuple[str, tuple[Any, ...]
     return x
 
 
+def _cond(graph: fx.Graph, t: Fill) -> fx.Node:
+    """A fill's condition in the site's layout, as a bool tensor (a 0/1 factor through :func:`binary_keep`)."""
+    cond = _relaid(graph, t.cond, t.relayout)
+    return graph.call_function(binary_keep, (cond,)) if t.binary else cond
+
+
+def binary_keep(factor: torch.Tensor) -> torch.Tensor:
+    """``factor == 1`` for a 0/1 keep factor (``w * factor + c * (1 - factor)``), checked on every call.
+
+    The blend is a mask only while ``factor`` holds nothing but 0 and 1; a factor that holds another
+    value (a buffer written since the capture) would make the rewrite compute something else, so
+    that call raises instead of returning a wrong result.
+    """
+    keep = factor == 1
+    binary = (keep | (factor == 0)).all()
+    if torch.compiler.is_compiling():  # in a compiled graph (compile=True): no data-dependent branch
+        torch._assert_async(binary, "attnopt: the keep factor of a rewritten `w * m + c * (1 - m)` mask is not 0/1")
+        return keep
+    if not bool(binary):
+        raise ValueError("attnopt: the keep factor `m` of a rewritten `w * m + c * (1 - m)` mask holds values other "
+                         "than 0 and 1, so the rewrite no longer computes what the code does; call "
+                         "attnopt.optimize(model) again on the model as it is now, or keep `m` a 0/1 tensor")
+    return keep
+
+
+def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v with one more key whose score is the sink's logit in every row and whose value is zero.
+
+    ``softmax([s, sink]) @ [v; 0]`` is the sink attention as written (the sink's probability multiplies
+    the zero value: dropping its column after the softmax). The head dim of q and k is widened to the next
+    multiple of 8 (fused kernels want one), by zeros except one column: q's holds ``sink / scale`` of its
+    row, k's is 1 at the new key and 0 at the others. So every real score is unchanged and the new key's is
+    ``scale * sink / scale``, and gradients reach q, k, v and the sink through autograd.
+
+    >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    >>> sink = torch.randn(1, 2, 3, 1)
+    >>> qa, ka, va = sink_operands(q, k, v, sink, 0.5)
+    >>> s = torch.cat([q @ k.transpose(-2, -1) * 0.5, sink], -1)
+    >>> torch.allclose(torch.softmax(s, -1)[..., :-1] @ v, torch.softmax(qa @ ka.transpose(-2, -1) * 0.5, -1) @ va)
+    True
+    """
+    d = q.size(-1)
+    pad = 8 - d % 8  # at least one column, for the sink
+    column = (sink / scale).to(q.dtype).expand(*q.shape[:-1], 1)
+    qa = torch.cat([q, column, q.new_zeros(*q.shape[:-1], pad - 1)], -1)
+    ka = torch.cat([k, k.new_zeros(*k.shape[:-1], pad)], -1)
+    key = k.new_zeros(*k.shape[:-2], 1, d + pad)
+    key[..., d] = 1.0
+    ka = torch.cat([ka, key], -2)
+    va = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.size(-1))], -2)
+    return qa, ka, va
+
+
+def sink_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    """The site's mask with the sink's key kept in every row (``causal``: the top-left causal mask, built here,
+    since ``is_causal`` would hide the new last key from all rows but the last)."""
+    if mask is None:
+        if not causal:
+            return None
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    mask = mask.expand(*mask.shape[:-1], k.size(-2))
+    if mask.dtype == torch.bool:
+        extra = torch.ones(mask.shape[:-1] + (1,), dtype=torch.bool, device=mask.device)
+    else:
+        extra = torch.zeros(mask.shape[:-1] + (1,), dtype=mask.dtype, device=mask.device)
+    return torch.cat([mask, extra], -1)
+
+
 def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     plan = m.mask
     if plan.kind == "none":
@@ -53,7 +122,7 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     mask: fx.Node | None = None
     if plan.kind == "bool":
         for t in plan.terms:
-            cond = _relaid(graph, t.cond, t.relayout)
+            cond = _cond(graph, t)
             keep = cond if t.keep_when_true else graph.call_function(torch.logical_not, (cond,))
             mask = keep if mask is None else graph.call_function(torch.logical_and, (mask, keep))
         return mask
@@ -68,7 +137,7 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
             mask = added if mask is None else graph.call_function(operator.add, (mask, added))
         elif isinstance(t, Fill):
             keep = t.keep_when_true
-            cond = _relaid(graph, t.cond, t.relayout)
+            cond = _cond(graph, t)
             filled_when = cond if not keep else graph.call_function(torch.logical_not, (cond,))
             # a bounded finite fill reaches the candidate as the dtype's minimum (BoundedFillSite)
             value = torch.finfo(dtype).min if plan.bound_fill is not None else t.value
@@ -93,7 +162,7 @@ def _emit_filled(graph: fx.Graph, m: Match) -> fx.Node | None:
         return None
     out: fx.Node | None = None
     for t in fills:
-        cond = _relaid(graph, t.cond, t.relayout)
+        cond = _cond(graph, t)
         cond = cond if not t.keep_when_true else graph.call_function(torch.logical_not, (cond,))
         out = cond if out is None else graph.call_function(torch.logical_or, (out, cond))
     return out
@@ -152,6 +221,13 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             k = m.k if m.k is not None else graph.call_method("transpose", (m.k_t, -2, -1))
             q, k = _relaid(graph, q, m.q_relayout), _relaid(graph, k, m.k_relayout)  # to the site's layout
             mask = _emit_mask(graph, m)
+            v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
+            v = _relaid(graph, v, m.v_relayout)
+            if m.sink is not None:  # one more key: the sink's logit in every row, a zero value
+                structural = m.mask.causal == "top_left" and mask is None
+                mask = graph.call_function(sink_mask, (mask, q, k, structural))
+                widened = graph.call_function(sink_operands, (q, k, v, m.sink, m.spec.scale))
+                q, k, v = (graph.call_function(operator.getitem, (widened, i)) for i in range(3))
             guards = []
             guard_nodes: list[fx.Node] = []
             if mask is not None:
@@ -180,8 +256,6 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                             cut_fills=cut_fills)
             filled = _emit_filled(graph, m) if mask is not None else None
             gm.add_submodule(name, site.train(gm.training))
-            v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
-            v = _relaid(graph, v, m.v_relayout)
             extra = {"filled": filled} if filled is not None else {}
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor

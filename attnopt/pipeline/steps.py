@@ -5,8 +5,9 @@ Each step is one named function over a captured graph; the routes in this packag
 in :mod:`attnopt.profiling.measure`) are short lists of them:
 
 * :func:`copy_graph`: the caller's graph is never edited (nor the higher-order op bodies it runs);
-* :func:`find_in`: every node gets a shape, real example values are bound (never fake or meta
-  tensors), then sites are found: a ``Match`` per proven site, a record per near miss;
+* :func:`find_in`: dead copies are dropped (``passes/dead.py``: a discarded ``scores.clone()``), every
+  node gets a shape, real example values are bound (never fake or meta tensors), then sites are found:
+  a ``Match`` per proven site, a record per near miss;
 * :func:`find_everywhere`: :func:`find_in` over the graph and every higher-order op body it runs
   (activation checkpointing, ``wrap``: ``passes/hop.py``), one :class:`Found` each;
 * :func:`choose`: which proven sites a candidate may serve (the others are left alone, with why);
@@ -28,6 +29,7 @@ from ..config import OptimizeConfig
 from ..env import AUTO
 from ..kernels.registry import get_candidate
 from ..passes.canon import meta_value
+from ..passes.dead import drop_dead_copies
 from ..passes.find_sites import Match, find_sites
 from ..passes.hop import Body, bodies, claim, direct_bodies, shapes_from_calls, values_of
 from ..passes.shapes import ensure_shapes
@@ -81,6 +83,7 @@ def bind(gm: fx.GraphModule, example_inputs: Sequence[Any] | None) -> dict[fx.No
 def find_in(gm: fx.GraphModule, example_inputs: Sequence[Any] | None
             ) -> tuple[dict[fx.Node, torch.Tensor], list[Match | SiteRecord]]:
     """Shapes, bound example values, then the sites of ``gm``: ``(concrete values, matches and near misses)``."""
+    drop_dead_copies(gm)                 # a discarded copy of the scores is no second reader of them
     ensure_shapes(gm, example_inputs)   # every node gets a (possibly symbolic) shape
     concrete = bind(gm, example_inputs)  # real buffer and input values, for mask proofs
     return concrete, find_sites(gm, concrete)
