@@ -117,9 +117,9 @@ def test_cli_nanogpt_writes_valid_report_plots_table_and_summary(tmp_path, capsy
     # x (32 + 32) head dims
     assert eager["attention_flops"] == sdpa["attention_flops"] == 4 * 2 * (4 * 136) * 64
     assert sdpa["speedup_vs_eager"] == pytest.approx(eager["forward_s"] / sdpa["forward_s"])
-    for name in ("time_vs_seq_len.png", "peak_memory_vs_seq_len.png", "attention_share.png"):
+    for name in ("time_vs_seq_len.png", "peak_memory_vs_seq_len.png", "attention_share.png", "breakdown.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(report["plots"]) == 3
+    assert len(report["plots"]) == 4  # one batch size, no KV cache: no batch_size.png, no kv_cache.png
     assert "| variant" in printed and "peak MiB" in printed  # the table
     assert "attention is" in printed and "than eager" in printed  # the summary in words
     assert report["summary"] and all(line in printed for line in report["summary"])

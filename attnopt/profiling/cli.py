@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .report import table
-from .run import DTYPES, PHASES, check_options, profile
+from .report import breakdown_table, table
+from .run import DTYPES, PHASES, check_options, phases_of, profile
 from .spec import SpecError
 
 
@@ -24,6 +24,15 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _phase(text: str) -> str:
+    try:
+        phases_of(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(PHASES)}, or several "
+                                         "separated by commas, e.g. prefill,train)") from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnopt profile``."""
     parser.add_argument("spec", metavar="SPEC",
@@ -32,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "returns the model's arguments")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated (default 1)")
     parser.add_argument("--seq-lens", type=_int_list, default=[128, 512], help="comma-separated (default 128,512)")
-    parser.add_argument("--phase", choices=PHASES, default="prefill",
-                        help="prefill: a forward over T tokens; decode: one new token after T (causal LMs)")
+    parser.add_argument("--phase", type=_phase, default="prefill",
+                        help="prefill: a forward over T tokens; decode: one new token after T (causal LMs); train: "
+                             "forward + backward; both: prefill,decode; all: the three (or a comma list)")
     parser.add_argument("--variants", default="eager,auto",
                         help="comma-separated: eager (as written), auto, sdpa or a registered candidate "
                              "(default eager,auto)")
@@ -46,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs (default 0)")
     parser.add_argument("--kv-budget", default=None,
                         help="KV cache memory to plan for (bytes or e.g. 8GiB): decode says how many sequences fit")
+    parser.add_argument("--memory-budget", default=None,
+                        help="memory one call may use (bytes or e.g. 2GiB): the batch-size summary names the first "
+                             "batch size above it")
+    parser.add_argument("--sweet-spot-threshold", type=float, default=0.1,
+                        help="throughput growth per doubling of the batch size below which it has stopped growing "
+                             "(default 0.1: 10%%)")
+    parser.add_argument("--memory-timeline", action="store_true",
+                        help="write DIR/memory_<phase>_B<b>_T<t>.png: live tensor memory over one call, sites marked")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's); 1 keeps timings steadier on a shared machine")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -57,7 +75,8 @@ def main(args: argparse.Namespace) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     problem = check_options(batch_sizes=args.batch_sizes, seq_lens=args.seq_lens, phase=args.phase,
                             variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
-                            matmul_size=args.matmul_size, threads=args.threads)
+                            matmul_size=args.matmul_size, threads=args.threads,
+                            sweet_spot_threshold=args.sweet_spot_threshold)
     if problem:
         print(f"attnopt profile: error: {problem}", file=sys.stderr)
         return 2
@@ -66,14 +85,16 @@ def main(args: argparse.Namespace) -> int:
                          variants=variants, dtype=args.dtype, device=args.device, repeats=args.repeats,
                          trace=args.trace, out=args.out, progress=not args.no_progress,
                          matmul_size=args.matmul_size, seed=args.seed, threads=args.threads,
-                         kv_budget=args.kv_budget)
-    except (SpecError, ValueError, TypeError) as e:  # a bad SPEC, or a bad --kv-budget
+                         kv_budget=args.kv_budget, memory_budget=args.memory_budget,
+                         memory_timeline=args.memory_timeline, sweet_spot_threshold=args.sweet_spot_threshold)
+    except (SpecError, ValueError, TypeError) as e:  # a bad SPEC, or a bad --kv-budget / --memory-budget
         print(f"attnopt profile: error: {e}", file=sys.stderr)
         return 2
     env = report["environment"]
     print(f"{report['description']}; {env['device']} ({env['device_name']}), {report['options']['dtype']}, "
           f"torch {env['torch']}, {env['threads']} threads; matmul {env['matmul']['size']}^3: "
-          f"{env['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s; medians of {args.repeats} alternating runs, no_grad")
+          f"{env['matmul']['flops_per_s'] / 1e9:.1f} GFLOP/s; medians of {args.repeats} alternating runs"
+          + ("" if "train" in phases_of(args.phase) else ", no_grad"))
     load, cpus = env["load_average"], env["cpu_count"] or 1
     if load is not None and load > 0.5 * cpus:
         print(f"note: 1-min load average {load:.1f} on {cpus} CPUs: other processes share the CPUs, so times are "
@@ -81,10 +102,15 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(table(report["records"]))
     print("* in profiled calls (profiling slows the forward too; the share compares times of the same calls)")
+    breakdown = breakdown_table(report["records"])
+    if breakdown:
+        print()
+        print("where the time goes (shares of the profiled call; modules of compiled variants are not visible):")
+        print(breakdown)
     print()
     for line in report["summary"]:
         print(line)
-    print(f"\nwrote {Path(args.out) / 'report.json'}" + "".join(f", {p}" for p in report["plots"]))
+    print(f"\nwrote {Path(args.out) / 'report.json'}, {report['html']}" + "".join(f", {p}" for p in report["plots"]))
     statuses = {r["status"] for r in report["records"]}
     if "ok" not in statuses and statuses & {"oom", "error"}:
         print("attnopt profile: error: every measurement failed (see the errors above and in report.json)",

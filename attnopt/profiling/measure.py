@@ -24,13 +24,23 @@ optional untimed preparation before each call (a decode step first needs its pre
   (both products), over the entries a proven causal mask keeps (all ``Tq * Tk`` otherwise).
 * :func:`matmul_rate`: the device's achieved matmul FLOP/s (a square matmul), the roofline
   attention FLOP/s are compared with.
+* :func:`make_train_runner`: one training step without the optimizer (forward, a scalar loss of
+  the outputs, backward inside an ``attnopt.profile::backward`` range), its backward timed apart.
+
+``bracket_sites`` also opens an ``attnopt.module::<path>`` range around the ops of every module
+(from each node's ``nn_module_stack``), so that :mod:`attnopt.profiling.breakdown` can say which
+modules the time goes to. Forward hooks cannot do it: a hook that opens a range breaks dynamo's
+graph at every module (the sites would be split), and the profiler's ``with_modules`` covers
+TorchScript only. Compiled variants run one captured graph whose module boundaries are gone.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,12 +50,13 @@ from torch.autograd import DeviceType
 
 from ..pipeline.steps import find_in, matches
 from ..selection.measure import time_alternating
+from .breakdown import BACKWARD_RANGE, FORWARD_RANGE, MODULE_PREFIX, SITE_PREFIX, average, call_breakdown
 
-__all__ = ["Runner", "SiteCounter", "bracket_sites", "causal_entries", "is_oom", "make_runner", "matmul_rate",
-           "profile_memory", "profile_ranges", "sync", "time_runners"]
+__all__ = ["Runner", "SiteCounter", "bracket_sites", "causal_entries", "is_oom", "make_runner", "make_train_runner",
+           "matmul_rate", "profile_memory", "profile_ranges", "sync", "time_runners"]
 
-FORWARD_RANGE = "attnopt.profile::forward"
-SITE_PREFIX = "attnopt::"
+MODULES_NOTE = ("a compiled variant runs dynamo's captured graph: its modules' boundaries are gone at run time "
+                "(the model as written, eager, has them)")
 
 
 def sync(device: torch.device) -> None:
@@ -67,6 +78,7 @@ class Runner:
 
     run: Callable[[], Any]
     setup: Callable[[], Any] | None = None
+    backward_s: list[float] | None = None  # a training step's backward seconds, one per call
 
     def __call__(self) -> Any:
         if self.setup is not None:
@@ -84,6 +96,57 @@ def make_runner(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         return out
 
     return Runner(run, setup)
+
+
+def make_train_runner(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
+                      parameters: Sequence[torch.nn.Parameter]) -> Runner:
+    """One training step of ``fn`` without the optimizer: forward, ``loss``, backward; the gradients are
+    set to None before each call (untimed), so the step allocates them as a first step does.
+
+    The loss is the mean of every floating output that needs a gradient (a tensor, or inside
+    tuples, lists and dicts; ``float32``). The backward runs inside an ``attnopt.profile::backward``
+    range and is timed apart, after a device synchronisation (``Runner.backward_s``).
+    """
+    backward: list[float] = []
+
+    def setup() -> None:
+        for p in parameters:
+            p.grad = None
+
+    def run() -> Any:
+        with torch.enable_grad():
+            loss = training_loss(fn(*args, **kwargs))
+            sync(device)
+            with torch.autograd.profiler.record_function(BACKWARD_RANGE):
+                start = time.perf_counter()
+                loss.backward()
+                sync(device)
+                backward.append(time.perf_counter() - start)
+        return loss.detach()
+
+    return Runner(run, setup, backward)
+
+
+def training_loss(out: Any) -> torch.Tensor:
+    """The mean of every floating tensor in ``out`` that needs a gradient, summed, in float32."""
+    found: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.requires_grad:
+                found.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+
+    walk(out)
+    if not found:
+        raise ValueError("--phase train: the model's outputs hold no floating tensor that needs a gradient, so "
+                         "there is nothing to backpropagate (does the model have trainable parameters?)")
+    return sum(t.float().mean() for t in found)  # type: ignore[return-value]
 
 
 def time_runners(runners: dict[str, Runner], repeats: int,
@@ -128,6 +191,7 @@ class RangeTimes:
     idle_gap_s: float | None  # CUDA only: time between the forward's kernels with nothing running
     idle_gap_share: float | None
     profiler: Any = None  # the last torch.profiler.profile, for chrome traces
+    breakdown: dict[str, Any] | None = None  # attnopt.profiling.breakdown.average of the calls
 
 
 def _activities(device: torch.device) -> list[Any]:
@@ -140,7 +204,7 @@ def profile_ranges(runner: Runner, device: torch.device, calls: int = 3) -> Rang
     """Time inside every ``attnopt::<site>`` range and the forward, over ``calls`` profiled calls."""
     from torch.profiler import profile
 
-    forward, sites, attention, gaps, gap_share = [], [], [], [], []
+    forward, sites, attention, gaps, gap_share, parts = [], [], [], [], [], []
     prof = None
     with torch.no_grad():
         for _ in range(calls):
@@ -150,7 +214,9 @@ def profile_ranges(runner: Runner, device: torch.device, calls: int = 3) -> Rang
             with profile(activities=_activities(device)) as prof:
                 with torch.autograd.profiler.record_function(FORWARD_RANGE):
                     runner.run()  # synchronises inside the range, so it covers the device work
-            f, s, g = _read_ranges(prof.events(), device)
+            events = prof.events()
+            f, s, g = _read_ranges(events, device)
+            parts.append(call_breakdown(events, device.type))
             forward.append(f)
             sites.append(s)
             if s:
@@ -166,6 +232,7 @@ def profile_ranges(runner: Runner, device: torch.device, calls: int = 3) -> Rang
         idle_gap_s=statistics.median(gaps) if gaps else None,
         idle_gap_share=statistics.median(gap_share) if gap_share else None,
         profiler=prof,
+        breakdown=average(parts, device.type, MODULES_NOTE),
     )
 
 
@@ -202,10 +269,23 @@ class MemoryPeak:
     module: str | None = None  # innermost module around it: its path, or the profiler's ``<class>_<n>``
     site: str | None = None  # the ``attnopt::<site>`` range around it, if any
     profiler: Any = None
+    timeline: Timeline | None = None
+
+
+@dataclass
+class Timeline:
+    """Live tensor bytes over one call, from the profiler's allocation records (ms from the call's start)."""
+
+    t_ms: list[float]  # after each allocation or free, in time order
+    live_bytes: list[int]
+    call_ms: float  # the call's duration
+    sites: list[tuple[str, float, float]]  # (site or module, start ms, end ms) of every attention mark
+    backward: tuple[float, float] | None  # the backward range of a training step
+    marks: str = "sites"  # "sites": attnopt::<site> ranges; "modules": calls of the modules that hold the sites
 
 
 def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module | None = None,
-                   wrappers: frozenset[str] = frozenset()) -> MemoryPeak:
+                   wrappers: frozenset[str] = frozenset(), site_modules: frozenset[str] = frozenset()) -> MemoryPeak:
     """Peak tensor bytes of one ``run()`` above what was live before, and the op that reached it.
 
     With ``model`` (a module that runs as written, not a compiled one), the module around the
@@ -213,6 +293,9 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
     instances of a class in the order they are first called, which hooks record during the call.
     Without it, modules of the classes in ``wrappers`` (those that only run a compiled graph,
     e.g. ``OptimizedModule`` and the model's own class) are not named.
+
+    The timeline marks the ``attnopt::<site>`` ranges; a model as written has none, so with
+    ``model`` it marks the calls of the modules in ``site_modules`` (the paths that hold the sites).
     """
     import gc
 
@@ -240,7 +323,8 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
                 torch.cuda.reset_peak_memory_stats(device)
             with profile(activities=_activities(device), profile_memory=True, record_shapes=True,
                          with_stack=True) as prof:
-                out = runner.run()
+                with torch.autograd.profiler.record_function(FORWARD_RANGE):
+                    out = runner.run()
             del out
     finally:
         for h in hooks:
@@ -260,7 +344,11 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
             peak, at = live, e
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device) - base)
-    result = MemoryPeak(peak_bytes=int(peak), profiler=prof)
+    marks = None
+    if model is not None and site_modules:
+        marks = [(path, e.start_ns(), e.end_ns()) for e in events if e.name().startswith("nn.Module: ")
+                 and (path := _module_path(e.name()[len("nn.Module: "):], called)) in site_modules]
+    result = MemoryPeak(peak_bytes=int(peak), profiler=prof, timeline=_timeline(events, records, marks))
     if at is None:
         return result
     t, thread = at.start_ns(), at.start_thread_id()
@@ -280,6 +368,31 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
     if sites:
         result.site = max(sites, key=lambda e: e.start_ns()).name()[len(SITE_PREFIX):]
     return result
+
+
+def _timeline(events: list[Any], records: list[Any],
+              module_marks: list[tuple[str, int, int]] | None = None) -> Timeline | None:
+    calls = [e for e in events if e.name() == FORWARD_RANGE]
+    if not calls:
+        return None
+    t0, t1 = calls[0].start_ns(), calls[0].end_ns()
+
+    def ms(ns: int) -> float:
+        return (ns - t0) * 1e-6
+
+    live, t_ms, values = 0, [0.0], [0]
+    for e in records:
+        live += e.nbytes()
+        t_ms.append(ms(e.start_ns()))
+        values.append(live)
+    if module_marks is not None:
+        sites = sorted(((path, ms(start), ms(end)) for path, start, end in module_marks), key=lambda m: m[1])
+    else:
+        sites = sorted(((e.name()[len(SITE_PREFIX):], ms(e.start_ns()), ms(e.end_ns())) for e in events
+                        if e.name().startswith(SITE_PREFIX) and e.is_user_annotation()), key=lambda m: m[1])
+    back = [(ms(e.start_ns()), ms(e.end_ns())) for e in events if e.name() == BACKWARD_RANGE]
+    return Timeline(t_ms, values, ms(t1), sites, back[0] if back else None,
+                    "sites" if module_marks is None else "modules")
 
 
 def _module_path(profiler_name: str, called: dict[str, list[str]]) -> str:
@@ -342,21 +455,59 @@ def bracket_sites(model: torch.nn.Module) -> tuple[Callable[..., Any], SiteCount
 
 
 def _insert_ranges(gm: fx.GraphModule, example_inputs: list[Any], counter: SiteCounter, graph_id: int) -> None:
+    """An ``attnopt::<site>`` range around every site and an ``attnopt.module::<path>`` range around every module.
+
+    Each op node runs inside the ranges of its stack: its modules (``nn_module_stack``, outermost
+    first) with each site's range placed right under the modules that all the site's nodes share,
+    so the ranges nest. Ranges open before the first node of a stack and close after its last.
+    """
     _, found = find_in(gm, example_inputs)  # the optimize route's step: the same sites, named the same
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    runs = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    order = {n: i for i, n in enumerate(runs)}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}  # q and v may be graph inputs
+    stacks = {n: _module_stack(n) for n in runs}
     for m in matches(found):
         name = m.record.name  # attnopt names sites the same way in every capture of a model
         counter.where[name] = " ".join(x for x in (m.record.module_path, f"({m.record.source})"
                                                    if m.record.source else "") if x)
-        first = min((*m.internal, m.output), key=order.__getitem__)
-        with gm.graph.inserting_before(first):
-            handle = gm.graph.call_function(torch.ops.profiler._record_function_enter_new.default,
-                                            (SITE_PREFIX + name, None))
-        with gm.graph.inserting_after(m.output):
-            done = gm.graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction, (handle,))
+        first = min((*m.internal, m.output), key=position.__getitem__)
+        inside = runs[order[first]:order[m.output] + 1]  # from the score product to P @ V, as the code runs them
+        shared = len(os.path.commonprefix([stacks[n] for n in inside]))
+        for n in inside:
+            stacks[n] = (*stacks[n][:shared], SITE_PREFIX + name, *stacks[n][shared:])
         # count FLOPs outside the range: before it when q and v exist there, else after it
-        where = gm.graph.inserting_before(handle) if order[m.v] < order[first] else gm.graph.inserting_after(done)
+        before = position[m.v] < position[first]
+        where = gm.graph.inserting_before(first) if before else gm.graph.inserting_after(m.output)
         with where:
             gm.graph.call_function(counter.note, (name, m.spec.causal, m.q, m.v))
+    open_: list[tuple[str, fx.Node]] = []  # (range name, handle) of the ranges open, outermost first
+    last: fx.Node | None = None
+    for n in [*runs, None]:
+        want = stacks[n] if n is not None else ()
+        keep = 0
+        while keep < min(len(open_), len(want)) and open_[keep][0] == want[keep]:
+            keep += 1
+        anchor = last
+        while len(open_) > keep:  # close after the last node that ran inside, innermost first
+            with gm.graph.inserting_after(anchor):
+                anchor = gm.graph.call_function(torch.ops.profiler._record_function_exit._RecordFunction,
+                                                (open_.pop()[1],))
+        for label in want[keep:]:
+            with gm.graph.inserting_before(n):
+                open_.append((label, gm.graph.call_function(torch.ops.profiler._record_function_enter_new.default,
+                                                            (label, None))))
+        last = n
     gm.graph.lint()
     gm.recompile()
+
+
+def _module_stack(node: fx.Node) -> tuple[str, ...]:
+    """``attnopt.module::<path>`` of the modules a node runs in, outermost first (``L['self'].h.0`` -> ``h.0``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+        if path:
+            paths.append(MODULE_PREFIX + path)
+    return tuple(paths)

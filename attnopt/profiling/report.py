@@ -7,9 +7,8 @@ plots written. :data:`REPORT_SCHEMA` is its JSON Schema (draft 2020-12); ``docs/
 explains every field. It is rewritten atomically (temp file + ``os.replace``) after every
 point, so an interrupted sweep leaves a valid partial report.
 
-Plots need matplotlib (``pip install attnopt[plot]``); without it they are skipped with one
-message. They are drawn on ``matplotlib.figure.Figure`` objects, never through pyplot, so the
-caller's matplotlib backend is untouched.
+The plots are :mod:`attnopt.profiling.plots` (``plot`` is re-exported here), the HTML page
+:mod:`attnopt.profiling.html`.
 """
 
 from __future__ import annotations
@@ -22,12 +21,68 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPORT_SCHEMA", "SCHEMA_VERSION", "plot", "summarize", "table", "write_json"]
+from .breakdown import top
+from .plots import plot
+
+__all__ = ["BREAKDOWN_HEADERS", "REPORT_SCHEMA", "SCHEMA_VERSION", "TABLE_HEADERS", "breakdown_rows", "breakdown_table",
+           "plot", "summarize", "table", "table_rows", "write_json"]
 
 SCHEMA_VERSION = 1
 
 _NUM = {"type": ["number", "null"]}
 _STR = {"type": ["string", "null"]}
+_SECONDS = {"type": "number", "minimum": 0}
+
+_ROW = {"self_s": {"type": "number"}, "total_s": {"type": "number"}, "calls": {"type": "number", "minimum": 0}}
+BREAKDOWN_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": ["time", "calls", "total_s", "backward_s", "attention_s", "rest_s", "outside_ops_s", "ops",
+                 "modules", "modules_note"],
+    "additionalProperties": False,
+    "properties": {
+        "time": {"enum": ["cpu", "device"]},
+        "calls": {"type": "integer", "minimum": 1},
+        "total_s": _SECONDS,
+        "backward_s": _NUM,
+        "attention_s": {"type": "number"},
+        "rest_s": {"type": "number"},
+        "outside_ops_s": {"type": "object", "required": ["attention", "rest"], "additionalProperties": False,
+                          "properties": {"attention": {"type": "number"}, "rest": {"type": "number"}}},
+        "ops": {"type": "array", "items": {
+            "type": "object", "required": ["name", "pass", "attention", "self_s", "total_s", "calls"],
+            "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "pass": {"enum": ["forward", "backward"]},
+                           "attention": {"type": "boolean"}, **_ROW}}},
+        "modules": {"type": ["array", "null"], "items": {
+            "type": "object", "required": ["path", "self_s", "total_s", "calls"], "additionalProperties": False,
+            "properties": {"path": {"type": "string"}, **_ROW}}},
+        "modules_note": _STR,
+    },
+}
+
+BATCH_SWEEP_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["phase", "seq_len", "variant", "batch_sizes", "tokens_per_s", "latency_s", "growth_per_doubling",
+                 "spread", "sweet_spot", "still_growing", "first_failure", "first_over_budget", "threshold",
+                 "candidates"],
+    "additionalProperties": False,
+    "properties": {
+        "phase": {"enum": ["prefill", "decode", "train"]},
+        "seq_len": {"type": "integer", "minimum": 1},
+        "variant": {"type": "string"},
+        "batch_sizes": {"type": "array", "items": {"type": "integer"}},
+        "tokens_per_s": {"type": "array", "items": _NUM},
+        "latency_s": {"type": "array", "items": _NUM},
+        "growth_per_doubling": {"type": "array", "items": _NUM},
+        "spread": {"type": "array", "items": _NUM},
+        "sweet_spot": {"type": ["integer", "null"]},
+        "still_growing": {"type": "boolean"},
+        "first_failure": {"type": ["object", "null"], "required": ["batch_size", "status", "error"]},
+        "first_over_budget": {"type": ["object", "null"], "required": ["batch_size", "memory_bytes", "budget"]},
+        "threshold": {"type": "number", "exclusiveMinimum": 0},
+        "candidates": {"type": "array", "items": {"type": "integer"}},
+    },
+}
 
 RECORD_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -41,7 +96,7 @@ RECORD_SCHEMA: dict[str, Any] = {
     "properties": {
         "batch_size": {"type": "integer", "minimum": 1},
         "seq_len": {"type": "integer", "minimum": 1},
-        "phase": {"enum": ["prefill", "decode"]},
+        "phase": {"enum": ["prefill", "decode", "train"]},
         "variant": {"type": "string"},
         "status": {"enum": ["ok", "oom", "error", "skipped"]},
         "error": _STR,
@@ -77,6 +132,12 @@ RECORD_SCHEMA: dict[str, Any] = {
         # context (T + 1 positions)
         "kv_bytes_per_token": {"type": ["integer", "null"]},
         "kv_context_bytes": {"type": ["integer", "null"]},
+        # train: median seconds of the backward inside the timed steps (forward_s is the whole step)
+        "backward_s": _NUM,
+        # where the profiled calls' time goes (attnopt.profiling.breakdown); null when the variant failed
+        "breakdown": BREAKDOWN_SCHEMA,
+        # the point's memory timeline PNG (--memory-timeline)
+        "memory_plot": _STR,
     },
 }
 
@@ -99,14 +160,22 @@ REPORT_SCHEMA: dict[str, Any] = {
                                                   "required": ["size", "dtype", "seconds", "flops_per_s"]}}},
         "complete": {"type": "boolean"},
         "records": {"type": "array", "items": RECORD_SCHEMA},
+        # per (phase, T, variant) swept over 2+ batch sizes: throughput, latency, the sweet spot
+        "batch_sweeps": {"type": "array", "items": BATCH_SWEEP_SCHEMA},
         "summary": {"type": "array", "items": {"type": "string"}},
         "plots": {"type": "array", "items": {"type": "string"}},
+        "html": _STR,
     },
 }
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically: a temp file in the same folder, then ``os.replace``.
+    """Write ``data`` to ``path`` as JSON, atomically (:func:`write_atomic`)."""
+    write_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temp file in the same folder, then ``os.replace``.
 
     The file gets the mode ``open()`` would give it (``0o666`` less the umask), like the plots beside
     it; ``mkstemp`` alone would leave it readable by its owner only.
@@ -116,9 +185,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     try:
         if hasattr(os, "fchmod"):  # not on Windows, where modes are not Unix modes anyway
             os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -175,10 +243,21 @@ def _peak_op(r: dict[str, Any]) -> str:
     return p["op"].replace("aten::", "") + (f" @{where}" if where else "")
 
 
+TABLE_HEADERS = ["B", "T", "phase", "variant", "status", "time ms", "attn ms*", "attn %*", "peak MiB", "peak op",
+                 "attn GFLOP/s (roofline)", "idle gaps", "vs eager: speed / peak"]
+BREAKDOWN_HEADERS = ["B", "T", "phase", "variant", "attn / rest / outside ops", "top ops (self)", "top ops (total)",
+                     "top modules (self)", "top modules (total)"]
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """The terminal table: one row per record."""
     from tabulate import tabulate
 
+    return tabulate(table_rows(records), headers=TABLE_HEADERS, tablefmt="github")
+
+
+def table_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
+    """The cells of :func:`table` (the HTML page shows the same)."""
     rows = []
     for r in records:
         share = r["attention_share"]
@@ -197,9 +276,7 @@ def table(records: list[dict[str, Any]]) -> str:
             "" if r["variant"] == "eager" else
             f"{_ratio(r['speedup_vs_eager'])} / {_ratio(r['peak_ratio_vs_eager'])}",
         ])
-    return tabulate(rows, headers=["B", "T", "phase", "variant", "status", "time ms", "attn ms*", "attn %*",
-                                   "peak MiB", "peak op", "attn GFLOP/s (roofline)", "idle gaps",
-                                   "vs eager: speed / peak"], tablefmt="github")
+    return rows
 
 
 def _where(r: dict[str, Any]) -> str:
@@ -220,10 +297,12 @@ def _changed(r: dict[str, Any]) -> str:
     return f"{len(r['sites'])} site(s) rewritten" if r["sites"] else "no site rewritten"
 
 
-def summarize(records: list[dict[str, Any]], kv_budget: int | None = None) -> list[str]:
-    """The closing summary in words: the largest cost, the peak, and what attnopt changed, per phase."""
+def summarize(records: list[dict[str, Any]], kv_budget: int | None = None,
+              sweeps: list[dict[str, Any]] | tuple[()] = (), memory_budget: int | None = None) -> list[str]:
+    """The closing summary in words, per phase: the largest cost, the peak, what attnopt changed, where the
+    time goes, and over batch sizes the sweet spot; then the KV cache and the failures."""
     lines = []
-    for phase in ("prefill", "decode"):
+    for phase in ("prefill", "decode", "train"):
         ok = [r for r in records if r["phase"] == phase and r["status"] == "ok"]
         if not ok:
             continue
@@ -233,13 +312,17 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None) -> li
         point = f"{phase}, B={b}, T={t}"
         if base["decode_method"]:
             point += f" (one step by {base['decode_method'].replace('_', ' ')})"
+        call = "training step (forward + backward)" if phase == "train" else "forward"
         if base["attention_share"] is not None:
             lines.append(f"{point}: attention is {100 * base['attention_share']:.0f}% of the {base['variant']} "
-                         f"forward ({_ms(base['attention_s'])} of {_ms(base['profiled_forward_s'])} ms in profiled "
+                         f"{call} ({_ms(base['attention_s'])} of {_ms(base['profiled_forward_s'])} ms in profiled "
                          f"calls, {len(base['sites'])} site(s)).")
         else:
-            lines.append(f"{point}: the {base['variant']} forward takes {_ms(base['forward_s'])} ms; its attention "
+            lines.append(f"{point}: the {base['variant']} {call} takes {_ms(base['forward_s'])} ms; its attention "
                          f"time is n/a ({base['attention_note']}).")
+        if base.get("backward_s") is not None:
+            lines.append(f"{point}: the {base['variant']} backward takes {_ms(base['backward_s'])} of "
+                         f"{_ms(base['forward_s'])} ms per step ({100 * base['backward_s'] / base['forward_s']:.0f}%).")
         if base["peak_bytes"] is not None:
             lines.append(f"{point}: the {base['variant']} peak is {_mib(base['peak_bytes'])} MiB, "
                          f"reached{_where(base)}.")
@@ -255,6 +338,9 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None) -> li
                              f"({_mib(r['peak_bytes'])} MiB{_where(r)}).")
             else:
                 lines.append(f"{point}: {name} takes {_ms(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
+        lines += [f"{point}: {name}'s time goes to {text}." for name, r in at.items() if (text := _goes_to(r))]
+        longest = max((s["seq_len"] for s in sweeps if s["phase"] == phase), default=None)
+        lines += [_sweep_line(s, memory_budget) for s in sweeps if (s["phase"], s["seq_len"]) == (phase, longest)]
     lines += _kv_lines(records, kv_budget)
     failed = [r for r in records if r["status"] in ("oom", "error")]
     if failed:
@@ -265,61 +351,94 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None) -> li
     return lines
 
 
-_PLOTS = (
-    ("time_vs_seq_len.png", "forward_s", 1e3, "time per call (ms)", True),
-    ("peak_memory_vs_seq_len.png", "peak_bytes", 2.0**-20, "peak tensor memory (MiB)", True),
-    ("attention_share.png", "attention_share", 100.0, "attention share of the forward (%)", False),
-)
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
-def plot(records: list[dict[str, Any]], out: Path) -> tuple[list[str], str | None]:
-    """Write the PNG plots under ``out``; return their paths, or none and why (no matplotlib, no data)."""
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import NullLocator
-    except ImportError:
-        return [], "plots skipped: matplotlib is not installed (pip install 'attnopt[plot]')"
-    ok = [r for r in records if r["status"] == "ok"]
-    if not ok:
-        return [], "plots skipped: no measurement succeeded"
-    phases = [p for p in ("prefill", "decode") if any(r["phase"] == p for r in ok)]
-    variants = list(dict.fromkeys(r["variant"] for r in records))  # one colour per variant in every panel
-    sizes = sorted({r["batch_size"] for r in records})  # one line style per batch size
-    styles = ["-", "--", ":", "-."]
-    written = []
-    for filename, key, factor, label, log_y in _PLOTS:
-        fig = Figure(figsize=(5.5 * len(phases), 4), layout="constrained")
-        axes = fig.subplots(1, len(phases), squeeze=False)[0]
-        for ax, phase in zip(axes, phases):
-            lines = sorted({(variants.index(r["variant"]), r["batch_size"]) for r in ok if r["phase"] == phase})
-            for i, b in lines:
-                variant = variants[i]
-                pts = sorted((r["seq_len"], r[key] * factor) for r in ok if r["phase"] == phase
-                             and (r["variant"], r["batch_size"]) == (variant, b) and r[key] is not None)
-                methods = sorted({r["decode_method"] for r in ok if r["phase"] == phase and r["decode_method"]
-                                  and (r["variant"], r["batch_size"]) == (variant, b)})
-                how = f" ({', '.join(m.replace('_', ' ') for m in methods)})" if methods else ""
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", color=f"C{i}", linestyle=styles[sizes.index(b) % len(styles)],
-                            label=f"{variant}{how}, B={b}")
-            ax.set_xscale("log", base=2)
-            ticks = sorted({r["seq_len"] for r in ok if r["phase"] == phase})
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.xaxis.set_minor_locator(NullLocator())
-            if log_y and any(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
-                ax.set_yscale("log")
-            elif not log_y:
-                ax.set_ylim(0, 100)
-            ax.set_xlabel("sequence length T" + (" (context of the step)" if phase == "decode" else ""))
-            ax.set_ylabel(label)
-            ax.set_title(phase)
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.get_lines():
-                ax.legend(fontsize="small")
-        path = out / filename
-        fig.savefig(path, dpi=80)
-        written.append(str(path))
-    return written, None
+def _tops(bd: dict[str, Any], rows: str, by: str, n: int = 3) -> str:
+    """``addmm 31%, bmm 12%, ...``: the largest rows of a breakdown as shares of the call."""
+    key = "name" if rows == "ops" else "path"
+    found = top(bd[rows], by, key, n)
+    return ", ".join(f"{name.replace('aten::', '')} {_pct(s, bd['total_s'])}" for name, s in found) or "-"
+
+
+def _goes_to(r: dict[str, Any]) -> str | None:
+    bd = r.get("breakdown")
+    if not bd or not bd["ops"]:
+        return None
+    outside = sum(bd["outside_ops_s"].values())
+    text = f"{_tops(bd, 'ops', 'self_s')} (ops' self time), {_pct(outside, bd['total_s'])} outside ops"
+    if bd["modules"]:
+        text += f"; by module (total): {_tops(bd, 'modules', 'total_s')}"
+    return text
+
+
+def breakdown_table(records: list[dict[str, Any]], n: int = 3) -> str:
+    """Where each record's time goes: the top ``n`` ops and modules by self and by total time (shares of the call)."""
+    from tabulate import tabulate
+
+    rows = breakdown_rows(records, n)
+    return tabulate(rows, headers=BREAKDOWN_HEADERS, tablefmt="github") if rows else ""
+
+
+def breakdown_rows(records: list[dict[str, Any]], n: int = 3) -> list[list[Any]]:
+    """The cells of :func:`breakdown_table`."""
+    rows = []
+    for r in records:
+        bd = r.get("breakdown")
+        if r["status"] != "ok" or not bd:
+            continue
+        outside = sum(bd["outside_ops_s"].values())
+        modules = bd["modules"] is not None
+        rows.append([r["batch_size"], r["seq_len"], r["phase"], r["variant"],
+                     f"{_pct(bd['attention_s'], bd['total_s'])} / {_pct(bd['rest_s'], bd['total_s'])} / "
+                     f"{_pct(outside, bd['total_s'])}",
+                     _tops(bd, "ops", "self_s", n), _tops(bd, "ops", "total_s", n),
+                     _tops(bd, "modules", "self_s", n) if modules else "n/a (compiled)",
+                     _tops(bd, "modules", "total_s", n) if modules else "n/a (compiled)"])
+    return rows
+
+
+def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
+    """The sweet spot of one (phase, T, variant) in words."""
+    point = f"{s['phase']}, T={s['seq_len']}, {s['variant']}"
+    by = dict(zip(s["batch_sizes"], zip(s["tokens_per_s"], s["latency_s"], s["growth_per_doubling"], s["spread"])))
+    x = 100 * s["threshold"]
+    spot = s["sweet_spot"]
+    if spot is None:
+        text = (f"{point}: no batch-size sweet spot ({len(s['candidates'])} batch size(s) measured below the first "
+                f"failure and within the budget; it needs two)")
+    elif s["still_growing"]:
+        before = s["candidates"][-2]
+        text = (f"{point}: throughput still grows at the largest batch size, B={spot} ({_rate(by[spot][0])} tokens/s, "
+                f"{_ms(by[spot][1])} ms per call; {100 * by[before][2]:+.0f}% per doubling from B={before}): "
+                "try larger batch sizes")
+    else:
+        after = s["candidates"][s["candidates"].index(spot) + 1]
+        spreads = [by[b][3] for b in (spot, after)]
+        noise = "" if None in spreads else f", the two runs' spread {100 * sum(spreads):.0f}%"
+        text = (f"{point}: throughput stops growing at B={spot} ({_rate(by[spot][0])} tokens/s, {_ms(by[spot][1])} ms "
+                f"per call): no larger batch size gains more than {x:g}% per doubling beyond the noise "
+                f"(B={after}: {100 * by[spot][2]:+.0f}% per doubling{noise})")
+    if s["first_failure"] is not None:
+        f = s["first_failure"]
+        text += f"; B={f['batch_size']} is the first to fail ({f['status']}: {_shorten(f['error'] or '', 80)})"
+    if s["first_over_budget"] is not None:
+        o = s["first_over_budget"]
+        text += (f"; B={o['batch_size']} is the first above the memory budget ({_mib(o['memory_bytes'])} of "
+                 f"{_mib(o['budget'])} MiB)")
+    elif memory_budget is not None and s["first_failure"] is None:
+        text += f"; every batch size fits the memory budget of {_mib(memory_budget)} MiB"
+    return text + "."
+
+
+def _rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
 
 
 def finite(x: float | None) -> float | None:

@@ -2,21 +2,25 @@
 
     $ attnopt profile nanogpt --batch-sizes 1,8 --seq-lens 128,512,2048 --phase both --out prof/
     $ attnopt profile my_models.py:build --variants eager,auto,math --trace --out prof/
+    $ attnopt profile nanogpt --batch-sizes 1,4,16 --phase prefill,train --memory-timeline --out prof/
     >>> report = attnopt.profile("nanogpt", seq_lens=(128, 512), out="prof")   # the same data as a dict
 
 Design. A SPEC (``attnopt.profiling.spec``) gives the model and ``make_inputs(batch_size,
 seq_len)``. The model is moved to the device and dtype and put in eval mode; every measurement
-runs under ``no_grad`` (inference). Variants: ``eager`` is the model as written; any other name
-is ``attnopt.optimize(model, variant=name)`` (``auto``, ``sdpa`` or a registered candidate).
+runs under ``no_grad`` (inference), except the ``train`` phase's (train mode, forward +
+backward). Variants: ``eager`` is the model as written; any other name is
+``attnopt.optimize(model, variant=name)`` (``auto``, ``sdpa`` or a registered candidate).
 For every point (batch size x sequence length x phase), in order:
 
 1. warm up each variant twice (dynamo captures here); a variant that raises is recorded with
    ``status`` ``oom`` or ``error`` and the error text, and the sweep goes on;
 2. time the variants in alternation, median of ``repeats`` (``attnopt.profiling.measure``);
-3. profile each variant a few times for the time inside its attention sites and, on CUDA, the
+3. profile each variant a few times for the time inside its attention sites, where the time goes
+   (``attnopt.profiling.breakdown``: ops and modules by self and total time) and, on CUDA, the
    idle gaps between kernels; the eager model's sites are timed on dynamo's capture of it with
-   a range around each site (eager attention is not a separate call);
-4. profile one call for the peak tensor memory and the op whose allocation reached it;
+   a range around each site and each module (eager attention is not a separate call);
+4. profile one call for the peak tensor memory, the op whose allocation reached it and the live
+   memory over the call (drawn with ``memory_timeline``);
 5. count the attention FLOPs once (from the captured sites' q and v shapes, without the entries
    a proven causal mask removes) and compare the achieved FLOP/s with the matmul rate measured
    once at the start (the roofline ratio).
@@ -26,18 +30,24 @@ Phases: ``prefill`` is one forward over T tokens. ``decode`` (causal LMs whose i
 ``attnopt.generation.cached(model, variant=<the variant>)`` when it accepts the model (prefill
 untimed, then one timed ``step``), otherwise a full forward over T + 1 tokens; the record says which
 (``decode_method``) and why (``decode_note``). The eager variant always recomputes: the model
-as written has no cache.
+as written has no cache. ``train`` is one training step without the optimizer: forward, a
+scalar loss, backward (``backward_s`` apart), gradients freed before each step.
+
+After the sweep, ``attnopt.profiling.sweet_spot`` reads the batch sizes of every (phase, T,
+variant): where throughput stops growing, the first that fails, the first over ``memory_budget``.
 
 Outputs under ``--out DIR``: ``report.json`` (``attnopt.profiling.report.REPORT_SCHEMA``,
-rewritten after every point), PNG plots (with matplotlib), ``traces/*.json`` chrome traces
+rewritten after every point), ``report.html`` (``attnopt.profiling.html``: everything on one
+page), PNG plots (``attnopt.profiling.plots``, with matplotlib), ``traces/*.json`` chrome traces
 (with ``--trace``; on CUDA also the memory timeline), and on the terminal a progress bar, the
-table and a summary in words.
+table, the breakdown table and a summary in words.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -49,38 +59,58 @@ import torch
 from ..config import accepted_variants
 from ..env import __version__, parse_bytes
 from ..selection.stats import quartiles
+from .html import write_html
 from .measure import (
     Runner,
     SiteCounter,
+    Timeline,
     bracket_sites,
     is_oom,
     make_runner,
+    make_train_runner,
     matmul_rate,
     profile_memory,
     profile_ranges,
     sync,
     time_runners,
 )
-from .report import SCHEMA_VERSION, finite, plot, summarize, write_json
+from .plots import memory_timeline_plot, plot
+from .report import SCHEMA_VERSION, finite, summarize, write_json
 from .spec import Target, resolve
+from .sweet_spot import batch_sweeps
 
-__all__ = ["check_options", "profile"]
+__all__ = ["check_options", "phases_of", "profile"]
 
-PHASES = ("prefill", "decode", "both")
+#: single phases, and the names of several: both = prefill + decode, all = the three
+PHASES = ("prefill", "decode", "train", "both", "all")
+_GROUPS = {"both": ("prefill", "decode"), "all": ("prefill", "decode", "train")}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 PROFILED_CALLS = 3
 
 
+def phases_of(phase: str) -> list[str]:
+    """The phases a ``--phase`` value names, in sweep order: ``"prefill,train"``, ``"both"``, ``"all"``, ..."""
+    names: list[str] = []
+    for part in (p.strip() for p in str(phase).split(",")):
+        if part not in PHASES:
+            raise ValueError(f"--phase must be one of {', '.join(PHASES)} or several separated by commas "
+                             f"(e.g. prefill,train), got {phase!r}")
+        names += _GROUPS.get(part, (part,))
+    return [p for p in ("prefill", "decode", "train") if p in names]
+
+
 def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase: str, variants: Sequence[str],
                   dtype: str, device: str, repeats: int, matmul_size: int | None = None,
-                  threads: int | None = None) -> str | None:
+                  threads: int | None = None, sweet_spot_threshold: float = 0.1) -> str | None:
     """What is wrong with these options (a message naming the accepted values), or None."""
     for name, values in (("batch-sizes", batch_sizes), ("seq-lens", seq_lens)):
         if not values or any(not isinstance(v, int) or v < 1 for v in values):
             return f"--{name} must be positive integers separated by commas (e.g. 1,8), got {list(values)}"
-    if phase not in PHASES:
-        return f"--phase must be one of {', '.join(PHASES)}, got {phase!r}"
+    try:
+        phases_of(phase)
+    except ValueError as e:
+        return str(e)
     accepted = accepted_variants()
     bad = [v for v in variants if v not in accepted]
     if not variants or bad:
@@ -103,6 +133,8 @@ def check_options(*, batch_sizes: Sequence[int], seq_lens: Sequence[int], phase:
         return f"--matmul-size must be >= 1, got {matmul_size}"
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         return f"--threads must be >= 1, got {threads}"
+    if not sweet_spot_threshold > 0:
+        return f"--sweet-spot-threshold must be > 0 (a fraction: 0.1 is 10% per doubling), got {sweet_spot_threshold}"
     return None
 
 
@@ -110,14 +142,17 @@ def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[
             phase: str = "prefill", variants: Iterable[str] = ("eager", "auto"), dtype: str = "float32",
             device: str = "cpu", repeats: int = 10, trace: bool = False, out: str | os.PathLike[str] | None = None,
             progress: bool = True, matmul_size: int | None = None, seed: int = 0,
-            threads: int | None = None, kv_budget: int | str | None = None) -> dict[str, Any]:
+            threads: int | None = None, kv_budget: int | str | None = None,
+            memory_budget: int | str | None = None, memory_timeline: bool = False,
+            sweet_spot_threshold: float = 0.1) -> dict[str, Any]:
     """Profile ``spec`` over the sweep and return the report (the content of ``report.json``).
 
     Args:
         spec: a built-in example (``"nanogpt"``, ``"bert"``), ``"package.module:factory"`` or
             ``"path/to/file.py:factory"``; ``factory()`` returns ``(model, make_inputs)``.
         batch_sizes, seq_lens: the sweep (every combination).
-        phase: ``"prefill"``, ``"decode"`` or ``"both"``.
+        phase: ``"prefill"``, ``"decode"``, ``"train"`` (forward + backward), ``"both"`` (prefill and
+            decode), ``"all"`` or several separated by commas (``"prefill,train"``).
         variants: ``"eager"`` (as written), ``"auto"``, ``"sdpa"`` or any ``attnopt.candidate_names()``.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (parameters and floating inputs).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
@@ -132,29 +167,45 @@ def profile(spec: str, *, batch_sizes: Iterable[int] = (1,), seq_lens: Iterable[
             On a machine other processes share, 1 thread keeps timings steadier.
         kv_budget: bytes (or ``"8GiB"``) of KV cache to plan for: decode points served by a cache then say
             how many sequences of their length fit in it.
+        memory_budget: bytes (or ``"8GiB"``) one call may use (its peak tensor memory, plus the KV cache
+            when decoding from one): the batch-size summary names the first batch size above it.
+        memory_timeline: write ``memory_<phase>_B<b>_T<t>.png`` per point (live tensor memory over
+            one call, attention sites marked; needs ``out``).
+        sweet_spot_threshold: throughput growth per doubling of the batch size below which it has
+            stopped growing (default 0.1: 10%; see :mod:`attnopt.profiling.sweet_spot`).
     """
     kv_budget = parse_bytes(kv_budget, "kv_budget")
+    memory_budget = parse_bytes(memory_budget, "memory_budget")
     batch_sizes, seq_lens, variants = list(batch_sizes), list(seq_lens), list(variants)
     problem = check_options(batch_sizes=batch_sizes, seq_lens=seq_lens, phase=phase, variants=variants,
-                            dtype=dtype, device=device, repeats=repeats, matmul_size=matmul_size, threads=threads)
+                            dtype=dtype, device=device, repeats=repeats, matmul_size=matmul_size, threads=threads,
+                            sweet_spot_threshold=sweet_spot_threshold)
     if problem:
         raise ValueError(problem)
     if trace and out is None:
         raise ValueError("trace=True writes chrome traces under out; pass out=<folder>")
+    if memory_timeline and out is None:
+        raise ValueError("memory_timeline=True writes PNGs under out; pass out=<folder>")
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    # dynamo's recompile limit counts the captures of the model's forward across every variant, the eager
+    # capture and each (shape, grad mode, train/eval) they run in; at its default (8) a sweep with a few variants
+    # and phases would fall back to running the later points unoptimized and unmeasured
+    limit = max(torch._dynamo.config.recompile_limit, 16 * (len(variants) + 1) * len(phases_of(phase)))
     try:
-        return _sweep(spec, batch_sizes, seq_lens, phase, variants, dtype, device, repeats, trace, out, progress,
-                      matmul_size, seed, kv_budget)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return _sweep(spec, batch_sizes, seq_lens, phase, variants, dtype, device, repeats, trace, out, progress,
+                          matmul_size, seed, kv_budget, memory_budget, memory_timeline, sweet_spot_threshold)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, variants: list[str], dtype: str,
            device: str, repeats: int, trace: bool, out: str | os.PathLike[str] | None, progress: bool,
-           matmul_size: int | None, seed: int, kv_budget: int | None = None) -> dict[str, Any]:
-    phases = ["prefill", "decode"] if phase == "both" else [phase]
+           matmul_size: int | None, seed: int, kv_budget: int | None = None, memory_budget: int | None = None,
+           memory_timeline: bool = False, sweet_spot_threshold: float = 0.1) -> dict[str, Any]:
+    phases = phases_of(phase)
     dev, dt = torch.device(device), DTYPES[dtype]
     out_dir = Path(out) if out is not None else None
 
@@ -166,12 +217,14 @@ def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, v
         "description": target.description,
         "options": {"batch_sizes": batch_sizes, "seq_lens": seq_lens, "phase": phase, "variants": variants,
                     "dtype": str(dt).replace("torch.", ""), "device": str(dev), "repeats": repeats, "trace": trace,
-                    "seed": seed, "kv_budget": kv_budget},
+                    "seed": seed, "kv_budget": kv_budget, "memory_budget": memory_budget,
+                    "memory_timeline": memory_timeline, "sweet_spot_threshold": sweet_spot_threshold},
         "environment": _environment(dev, dt, matmul_size or (8192 if dev.type == "cuda" else 1024)),
-        "complete": False, "records": [], "summary": [], "plots": [],
+        "complete": False, "records": [], "batch_sweeps": [], "summary": [], "plots": [], "html": None,
     }
     session = _Session(target, model, variants, dev, dt, repeats, out_dir if trace else None, seed,
-                       report["environment"]["matmul"]["flops_per_s"], max(seq_lens) + 1)
+                       report["environment"]["matmul"]["flops_per_s"], max(seq_lens) + 1, memory_timeline)
+    timelines: list[str] = []
     points = [(ph, b, t) for ph in phases for b in batch_sizes for t in seq_lens]
     bar = None
     if progress:
@@ -182,19 +235,32 @@ def _sweep(spec: str, batch_sizes: list[int], seq_lens: list[int], phase: str, v
         for ph, b, t in bar if bar is not None else points:
             if bar is not None:
                 bar.set_postfix_str(f"{ph} B={b} T={t}")
-            report["records"].extend(session.point(ph, b, t))
+            records = session.point(ph, b, t)
+            if memory_timeline and out_dir is not None and session.timelines:
+                path = memory_timeline_plot(session.timelines, out_dir / f"memory_{ph}_B{b}_T{t}.png",
+                                            f"{ph}, B={b}, T={t}")
+                if path is not None:
+                    timelines.append(path)
+                    for rec in records:
+                        if rec["variant"] in session.timelines:
+                            rec["memory_plot"] = path
+            report["records"].extend(records)
             if out_dir is not None:
                 write_json(out_dir / "report.json", report)
     finally:
         if bar is not None:
             bar.close()
-    report["summary"] = summarize(report["records"], kv_budget)
+    report["batch_sweeps"] = batch_sweeps(report["records"], sweet_spot_threshold, memory_budget)
+    report["summary"] = summarize(report["records"], kv_budget, report["batch_sweeps"], memory_budget)
     if out_dir is not None:
-        report["plots"], why = plot(report["records"], out_dir)
+        report["plots"], why = plot(report["records"], out_dir, report["batch_sweeps"], kv_budget)
+        report["plots"] += timelines
         if why:
             print(f"attnopt profile: {why}", file=sys.stderr)
     report["complete"] = True
     if out_dir is not None:
+        report["html"] = str(out_dir / "report.html")
+        write_html(out_dir / "report.html", report)
         write_json(out_dir / "report.json", report)
     return report
 
@@ -236,6 +302,7 @@ def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str
         "roofline_ratio": None, "idle_gap_s": None, "idle_gap_share": None, "idle_gap_note": None,
         "speedup_vs_eager": None, "peak_ratio_vs_eager": None, "trace": None, "memory_timeline": None,
         "forward_iqr_s": None, "kv_bytes_per_token": None, "kv_context_bytes": None,
+        "backward_s": None, "breakdown": None, "memory_plot": None,
     }
     rec.update(fields)
     return rec
@@ -251,7 +318,7 @@ class _Session:
 
     def __init__(self, target: Target, model: torch.nn.Module, variants: list[str], dev: torch.device,
                  dt: torch.dtype, repeats: int, trace_dir: Path | None, seed: int, matmul_flops: float,
-                 decode_len: int = 0):
+                 decode_len: int = 0, memory_timeline: bool = False):
         from .. import api  # a module attribute, so that tests can replace api.optimize
 
         self.target, self.model, self.dev, self.dt = target, model, dev, dt
@@ -260,9 +327,24 @@ class _Session:
         self.bracketed, self.counter = bracket_sites(model)
         self.decode_len = decode_len  # the cached models hold the longest context of the sweep plus one token
         self.cached: dict[str, Any] = {}  # variant -> CachedLM, built (captured) once per sweep, or why not
+        self.memory_timeline = memory_timeline
+        self.timelines: dict[str, Timeline] = {}  # variant -> live memory over one call, at the last point
 
     # -- one point ---------------------------------------------------------------------------------------------
     def point(self, phase: str, b: int, t: int) -> list[dict[str, Any]]:
+        """The records of every variant at one point; a training point runs the model in train mode."""
+        self.timelines = {}
+        if phase != "train":
+            return self._point(phase, b, t)
+        self.model.train()
+        try:
+            return self._point(phase, b, t)
+        finally:
+            self.model.eval()
+            for p in self.model.parameters():
+                p.grad = None
+
+    def _point(self, phase: str, b: int, t: int) -> list[dict[str, Any]]:
         torch.manual_seed(self.seed)
         records = {v: _record(phase, b, t, v) for v in self.models}
         try:
@@ -276,8 +358,14 @@ class _Session:
                 _failed(rec, e)
             return list(records.values())
         self._warm(runners, records)
+        if phase == "train" and "eager" in runners:
+            # the eager capture's sites are profiled with gradients on: capture that graph before profiling
+            self._warm({"eager": eager_profiled}, records)
+            runners = {v: r for v, r in runners.items() if records[v]["status"] == "ok"}
         self._time(runners, records)
         flops, dense, sites_where = self._count_flops(*call)
+        if phase == "train" and flops is not None:
+            flops *= 3  # the backward's four products (dV, dP, dQ, dK) on the same shapes: twice the forward's two
         for v, runner in runners.items():
             rec = records[v]
             try:
@@ -288,10 +376,13 @@ class _Session:
                 # module paths need the model's own call; compiled variants run one graph instead
                 as_written = v == "eager" and rec["decode_method"] != "kv_cache"
                 mem = profile_memory(runner, self.dev, model=self.model if as_written else None,
-                                     wrappers=frozenset({"OptimizedModule", "GraphModule", type(self.model).__name__}))
+                                     wrappers=frozenset({"OptimizedModule", "GraphModule", type(self.model).__name__}),
+                                     site_modules=frozenset(w.split(" ")[0] for w in sites_where.values()))
                 rec["peak_bytes"] = mem.peak_bytes
                 rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
                                   "module": mem.module, "site": mem.site}
+                if self.memory_timeline and mem.timeline is not None:
+                    self.timelines[v] = mem.timeline
                 if self.trace_dir is not None and self.dev.type == "cuda":
                     rec["memory_timeline"] = _memory_timeline(mem.profiler, self.trace_dir / "traces" /
                                                               f"{phase}_B{b}_T{t}_{v}_memory", self.dev)
@@ -313,6 +404,13 @@ class _Session:
             args, kwargs = self.target.inputs(b, t, dtype=self.dt, device=self.dev)
             runners = {v: make_runner(m, args, kwargs, self.dev) for v, m in self.models.items()}
             return runners, make_runner(self.bracketed, args, kwargs, self.dev), (args, kwargs)
+        if phase == "train":
+            args, kwargs = self.target.inputs(b, t, dtype=self.dt, device=self.dev)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if not params:
+                raise _Skip("training needs trainable parameters; the model has none")
+            runners = {v: make_train_runner(m, args, kwargs, self.dev, params) for v, m in self.models.items()}
+            return runners, make_train_runner(self.bracketed, args, kwargs, self.dev, params), (args, kwargs)
         if self.target.causal_lm is False:
             raise _Skip(f"decode applies to causal language models; {self.target.spec} is not one")
         args, kwargs = self.target.inputs(b, t + 1, dtype=self.dt, device=self.dev)
@@ -372,21 +470,32 @@ class _Session:
 
     def _time(self, runners: dict[str, Runner], records: dict[str, dict[str, Any]]) -> None:
         samples: dict[str, list[float]] = {}
+        for r in runners.values():
+            if r.backward_s is not None:
+                r.backward_s.clear()  # the warm-up's
         try:
             for v, s in time_runners(runners, self.repeats, samples).items():
-                records[v]["forward_s"] = s
-                records[v]["forward_iqr_s"] = _iqr(samples[v])
+                self._timed(records[v], runners[v], s, samples[v])
             return
         except Exception:  # noqa: BLE001 - find which variant fails by timing them one by one
             self._release()
         for v in list(runners):
             try:
-                records[v]["forward_s"] = time_runners({v: runners[v]}, self.repeats, samples)[v]
-                records[v]["forward_iqr_s"] = _iqr(samples[v])
+                if runners[v].backward_s is not None:
+                    runners[v].backward_s.clear()
+                self._timed(records[v], runners[v], time_runners({v: runners[v]}, self.repeats, samples)[v],
+                            samples[v])
             except Exception as e:  # noqa: BLE001
                 _failed(records[v], e)
                 del runners[v]
                 self._release()
+
+    @staticmethod
+    def _timed(rec: dict[str, Any], runner: Runner, seconds: float, samples: list[float]) -> None:
+        rec["forward_s"] = seconds
+        rec["forward_iqr_s"] = _iqr(samples)
+        if runner.backward_s:
+            rec["backward_s"] = statistics.median(runner.backward_s)
 
     def _count_flops(self, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> tuple[float | None, float | None, dict[str, str]]:
@@ -410,6 +519,12 @@ class _Session:
         from ..api import explain
 
         ranges = profile_ranges(runner, self.dev, PROFILED_CALLS)
+        rec["breakdown"] = ranges.breakdown
+        if rec["phase"] == "train" and ranges.breakdown is not None and ranges.attention_s is not None:
+            # a training step: the sites' forward ranges and the backward of the ops inside them (autograd's
+            # sequence numbers tie each backward node to its forward op), over the whole step
+            ranges.attention_s = ranges.breakdown["attention_s"]
+            ranges.forward_s = ranges.breakdown["total_s"]
         where = eager_where if variant == "eager" else _site_places(explain(self.models[variant]))
         rec["sites"] = {n: {"seconds": s, "where": where.get(n, "")} for n, s in ranges.sites_s.items()}
         rec["profiled_forward_s"] = ranges.forward_s
