@@ -87,6 +87,8 @@ class AttentionSpec:
             per-head sinks), dropped from the probabilities after the softmax. The rewrite passes it as
             one more key whose value is zero (q, k and v widened in the graph; ``passes/rewrite_sdpa``), so
             the site sees plain attention with ``Tk + 1`` keys and its mask (never ``is_causal``).
+        zero_rows: the probabilities are zeroed after the softmax where the scores were masked, so rows
+            whose every key is hidden are zero (the rewrite zeroes them after the site).
     """
 
     scale: float
@@ -107,6 +109,7 @@ class AttentionSpec:
     window: int | None = None
     conditions: int = 0
     sink: bool = False
+    zero_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -144,6 +147,8 @@ class AttentionSpec:
             parts.append(f"score_mod {self.score_mod}")
         if self.sink:
             parts.append("attention sink (one more key)")
+        if self.zero_rows:
+            parts.append("rows with every key hidden are zero")
         return ", ".join(parts)
 
 

@@ -37,12 +37,13 @@ def _qkv(b: int = 2, t: int = T, dtype: torch.dtype = torch.float32) -> list[tor
 
 
 def _same_outputs_and_grads(opt, model, inputs, atol=1e-5, rtol=1e-4) -> None:
-    a = [x.clone().requires_grad_() for x in inputs]
-    e = [x.clone().requires_grad_() for x in inputs]
+    a = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    e = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
     out, ref = opt(*a), model(*e)
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     cot = torch.randn_like(ref)
-    for ga, ge in zip(torch.autograd.grad((out * cot).sum(), a), torch.autograd.grad((ref * cot).sum(), e)):
+    fa, fe = [x for x in a if x.requires_grad], [x for x in e if x.requires_grad]
+    for ga, ge in zip(torch.autograd.grad((out * cot).sum(), fa), torch.autograd.grad((ref * cot).sum(), fe)):
         torch.testing.assert_close(ga, ge, atol=10 * atol, rtol=10 * rtol)
 
 
@@ -187,3 +188,50 @@ def test_swinv2_cosine_attention_with_a_clamped_logit_scale() -> None:
             torch.testing.assert_close(a, e, atol=1e-9, rtol=1e-7)
     report = attnopt.explain(opt)
     assert report.rewritten == 2 and len(report.records) == 2, str(report)
+
+
+def _zeroed_again(self, q, k, v, pad):
+    """FastSpeech2-Conformer / CPM-Ant: the probabilities zeroed where the scores were masked."""
+    hidden = pad.unsqueeze(1).eq(0)  # (B, 1, 1 or T, T), True = hidden
+    s = (q @ k.transpose(-2, -1) / D ** 0.5).masked_fill(hidden, torch.finfo(q.dtype).min)
+    p = torch.softmax(s, dim=-1).masked_fill(hidden, 0.0)
+    return p @ v
+
+
+def _zeroed_rebuilt(self, q, k, v, pad):
+    """The condition written twice (CPM-Ant): the same expression of the same tensor."""
+    s = torch.masked_fill(q @ k.transpose(-2, -1), pad.view(pad.size(0), 1, -1, pad.size(-1)) == torch.tensor(False),
+                          torch.scalar_tensor(float("-inf")))
+    p = torch.masked_fill(torch.softmax(s, dim=-1), pad.view(pad.size(0), 1, -1, pad.size(-1)) == torch.tensor(False),
+                          torch.scalar_tensor(0.0))
+    return p @ v
+
+
+@pytest.mark.parametrize("body", [_zeroed_again, _zeroed_rebuilt], ids=["same-node", "rebuilt"])
+def test_probabilities_zeroed_where_the_scores_were_masked(body) -> None:
+    model = Fn(body)
+    opt = attnopt.optimize(model, variant="sdpa")
+    for b, t in ((2, T), (3, 6)):
+        q, k, v = _qkv(b, t)
+        rebuilt = body is _zeroed_rebuilt
+        pad = torch.ones(b, t, t, dtype=torch.bool) if rebuilt else torch.ones(b, 1, t, dtype=torch.long)
+        pad[-1, ..., : t // 2] = 0  # keys hidden; with the rebuilt 3-D mask some rows lose every key
+        if rebuilt:
+            pad[0, 1] = False
+        _same_outputs_and_grads(opt, model, [q, k, v, pad])
+    (record,) = {r.name: r for r in attnopt.explain(opt).records}.values()
+    assert record.decision == "rewritten" and "every key hidden are zero" in record.spec.describe(), record.reason
+
+
+def test_probabilities_zeroed_elsewhere_are_left_alone() -> None:
+    def other_mask(self, q, k, v, pad, drop):
+        s = (q @ k.transpose(-2, -1)).masked_fill(pad, float("-inf"))
+        return torch.softmax(s, dim=-1).masked_fill(drop, 0.0) @ v
+
+    model = Fn(other_mask)
+    opt = attnopt.optimize(model, variant="sdpa")
+    q, k, v = _qkv()
+    pad, drop = torch.zeros(2, 1, T, T, dtype=torch.bool), torch.rand(2, 1, T, T) > 0.7
+    torch.testing.assert_close(opt(q, k, v, pad, drop), model(q, k, v, pad, drop))
+    (record,) = attnopt.explain(opt).records
+    assert record.decision == "left alone" and "zeroed" in record.reason, record.reason

@@ -36,6 +36,7 @@ NAMES = (
     "q and k share a floating dtype",
     "fills hold in the compute dtype",
     "a sink is one more key",
+    "zeroed probabilities were masked",
     "v is floating",
     "assemble the match",
     "no in-place write inside the site",

@@ -548,6 +548,7 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.empty_like: _factory(None, None), aten.empty_like.default: _factory(None, None),
     torch.full: _factory(1), aten.full.default: _factory(1),
     torch.tensor: _tensor_of_number, aten.scalar_tensor.default: _tensor_of_number,
+    torch.scalar_tensor: _tensor_of_number,
     torch.zeros: _factory(None, 0), aten.zeros.default: _factory(None, 0),
     torch.empty: _factory(None, None), aten.empty.memory_format: _factory(None, None),
     torch.broadcast_to: _view,

@@ -9,7 +9,7 @@ Matches, for every softmax node, the chain around it in the canonical vocabulary
                       (cast | contiguous)*
                       [cat([scores, sink], -1) [- rowmax]]   (an attention sink, dropped after the softmax)
     probs   = softmax(scores, dim=last)       (any spelling, with or without dtype=)
-              (cast | dropout | contiguous | [..., :-1] after a sink)*
+              (cast | dropout | contiguous | [..., :-1] after a sink | masked_fill(m, 0) as before it)*
     out     = probs @ v
 
 and emits a :class:`Match` (the nodes to replace and the proven :class:`AttentionSpec`) or a
@@ -49,6 +49,9 @@ variable names:
 * *a sink is one more key*: an attention sink (``cat([scores, sink], -1)``, its column dropped after the
   softmax) has a number as scale (a power of two in half types), no score modifier, no finite fill, and
   the scores in the product's layout;
+* *zeroed probabilities were masked*: a ``masked_fill(m, 0)`` of the probabilities zeroes the keys the
+  scores' own ``-inf`` or dtype-minimum fill hid (the same condition), so it changes only rows where every
+  key is hidden, which become zero;
 * *v is floating*;
 * *assemble the match*: the :class:`AttentionSpec` and the :class:`Match` (never refuses);
 * *no in-place write inside the site*: nothing the site reads is written between its first read
@@ -125,6 +128,9 @@ class Match:
     #: attention-sink logits ``[..., Tq, 1]``: concatenated to the scores before the softmax, their column
     #: dropped after it (see :func:`attnopt.passes.rewrite_sdpa.sink_operands`)
     sink: fx.Node | None = None
+    #: the condition of a ``masked_fill`` before the softmax whose keys the probabilities zero again after it
+    #: (``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0)``): rows where it hides every key are zero
+    zero_rows: fx.Node | None = None
 
 
 class NearMiss(Refusal):
@@ -548,6 +554,8 @@ class _Partial:
     # an attention sink: the probabilities lose one key column, the scores gained it by a concatenation
     sink_drop: str | None = None  # "first" | "last": the column the probabilities drop
     sink: fx.Node | None = None  # the sink logits concatenated to the scores, shape [..., Tq, 1]
+    zeroed: fx.Node | None = None  # ``probs.masked_fill(cond, 0)`` after the softmax: its condition
+    zero_cond: fx.Node | None = None  # the scores' own fill condition it was proven equal to
     match: Match | None = None
 
 
@@ -597,6 +605,12 @@ def _forward_to_pv(st: _Partial) -> None:
                 and _drops_one_key(op.args[1], st.nd) is not None:
             st.sink_drop = _drops_one_key(op.args[1], st.nd)  # checked against the scores in _back_to_product
             st.record.spelling.append("[..., :-1]" if st.sink_drop == "last" else "[..., 1:]")
+            st.internal.append(user)
+            cur = user
+        elif op.kind == "masked_fill" and op.args[0] is cur and st.zeroed is None and isinstance(op.args[1], fx.Node) \
+                and _fill_value(op.args[2]) == 0.0 and not st.views:
+            st.zeroed = op.args[1]  # proven the scores' own mask in _zeroed_rows, once the masks are read
+            st.record.spelling.append("masked_fill(m, 0)")
             st.internal.append(user)
             cur = user
         elif op.kind == "matmul":
@@ -1069,6 +1083,48 @@ def _fills(st: _Partial) -> None:
                                f"{st.q_dtype}, where that value does not exist")
 
 
+def _zeroed_rows(st: _Partial) -> None:
+    """Probabilities zeroed again where the scores were masked (``softmax(s.masked_fill(m, -inf))
+    .masked_fill(m, 0)``, FastSpeech2-Conformer, CPM-Ant): the condition is one the scores were filled
+    with ``-inf`` or the dtype's minimum at (the same node, or the same expression of the same tensors).
+    Such a key already has probability 0 in every row that keeps another key, so only rows where ``m``
+    hides every key change: they are zero, and send no gradient, as written."""
+    if st.zeroed is None:
+        return
+    for t in st.masks:
+        if isinstance(t, Fill) and not t.keep_when_true and not t.binary and not t.relayout \
+                and neg_large(t.value, t.dtype) is not None and _same_expression(t.cond, st.zeroed):
+            st.zero_cond = t.cond
+            return
+    raise NearMiss(f"the probabilities are zeroed by masked_fill(`{st.zeroed.name}`, 0){_at(st.zeroed)} after the "
+                   "softmax where the scores were not provably masked (only the scores' own -inf or dtype-minimum "
+                   "fill condition is read there)", LEFT_ALONE)
+
+
+def _same_expression(a: Any, b: Any, depth: int = 6) -> bool:
+    """``a`` and ``b`` provably hold the same value: one node, equal constants, or one deterministic function or
+    method of provably equal arguments (``m.view(B, 1, T, S) == torch.tensor(False)`` written twice); leaves
+    must be the same node and written nowhere."""
+    if a is b:
+        return not (isinstance(a, fx.Node) and a.op in ("placeholder", "get_attr") and mutated(a))
+    if isinstance(a, fx.Node) != isinstance(b, fx.Node) or depth < 0:
+        return False
+    if not isinstance(a, fx.Node):
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(_same_expression(x, y, depth) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+    if a.op != b.op or a.op not in ("call_function", "call_method") or a.target != b.target \
+            or set(a.kwargs) != set(b.kwargs) or len(a.args) != len(b.args) or mutated(a) or mutated(b):
+        return False
+    if isinstance(a.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in a.target.tags:
+        return False
+    if a.target in (torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.bernoulli) \
+            or str(a.target).startswith(("rand", "normal_", "bernoulli", "uniform_", "random_")):
+        return False
+    return all(_same_expression(x, y, depth - 1) for x, y in zip(a.args, b.args)) and all(
+        _same_expression(a.kwargs[k], b.kwargs[k], depth - 1) for k in a.kwargs)
+
+
 def _sink_rule(st: _Partial) -> None:
     """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): the scale is
     a number (the sink's column is ``scale * (sink / scale)``; in half types a power of two, so that quotient is
@@ -1117,6 +1173,8 @@ def _assemble(st: _Partial) -> None:
         score_mod=st.score_mod.describe() if st.score_mod is not None else None, fill_value=plan.bound_fill,
         window=plan.window, conditions=len(plan.conditions),
     )
+    if st.zero_cond is not None:
+        spec = replace(spec, zero_rows=True)
     if st.sink is not None:  # one more key, never masked: no row is hidden entirely, the mask goes as a tensor
         structural = plan.causal == "top_left" and not plan.guarded and not plan.conditions and plan.window is None
         spec = replace(spec, causal=None, window=None, conditions=0, nan_rows=False, min_rows="none", sink=True,
@@ -1131,7 +1189,7 @@ def _assemble(st: _Partial) -> None:
                      dropout_p=dropout[0] if runtime_p else None, dropout_module=st.dropout_module,
                      internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed,
                      q_relayout=st.relayouts[0], k_relayout=st.relayouts[1], v_relayout=st.relayouts[2],
-                     out_relayout=st.relayouts[3], sink=st.sink)
+                     out_relayout=st.relayouts[3], sink=st.sink, zero_rows=st.zero_cond)
 
 
 def _no_write_in_window(st: _Partial) -> None:
@@ -1155,6 +1213,7 @@ RULES: tuple[tuple[str, Callable[[_Partial], None]], ...] = (
     ("q and k share a floating dtype", _qk_dtype),  # the compute dtype
     ("fills hold in the compute dtype", _fills),  # finite fills that stay exact
     ("a sink is one more key", _sink_rule),  # a number as scale, no modifier, the site's own layout
+    ("zeroed probabilities were masked", _zeroed_rows),  # probs.masked_fill(m, 0) where the scores were hidden
     ("v is floating", _v_dtype),  # no integer or bool values
     ("assemble the match", _assemble),  # the AttentionSpec and the Match; never refuses
     ("no in-place write inside the site", _no_write_in_window),  # the fused kernel reads what P @ V would

@@ -69,6 +69,12 @@ def binary_keep(factor: torch.Tensor) -> torch.Tensor:
     return keep
 
 
+def zero_hidden_rows(out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``out`` with zeros in the rows where ``hidden`` (the scores' fill condition, ``[..., Tq, Tk]``) holds for
+    every key: ``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0) @ v`` as written."""
+    return out.masked_fill(hidden.all(-1, keepdim=True), 0.0)
+
+
 def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v with one more key whose score is the sink's logit in every row and whose value is zero.
@@ -260,6 +266,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor
             new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
+            if m.zero_rows is not None:  # probabilities zeroed where the scores were hidden: such rows are zero
+                new = graph.call_function(zero_hidden_rows, (new, m.zero_rows))
             if m.v_transposed:
                 new = graph.call_method("transpose", (new, -2, -1))
             new = _relaid(graph, new, m.out_relayout)  # back to the layout of P @ V as written
