@@ -324,6 +324,15 @@ def test_hugging_face_llama_equals_the_plain_loop():
     kw = dict(do_sample=True, top_k=10)
     assert torch.equal(generate(c, idx, 12, generator=torch.Generator().manual_seed(1), **kw),
                        generate_plain(model, idx, 12, generator=torch.Generator().manual_seed(1), **kw))
+    # prompts of different lengths: each as alone (the mask checked at every row's own length), and as HF's
+    # generate gives them for left-padded ids (it takes positions from the attention mask)
+    prompts = [torch.randint(1, VOCAB, (n,)) for n in (7, 1, 3)]
+    got = generate(c, prompts, 8)
+    assert all(torch.equal(g, generate_plain(model, p[None], 8)[0]) for g, p in zip(got, prompts))
+    ids, mask = generation.left_pad(prompts)
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                        eos_token_id=None)
+    assert torch.equal(generate(c, ids, 8, attention_mask=mask), hf)
 
 
 class MaskedAttention(nn.Module):

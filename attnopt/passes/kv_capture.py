@@ -35,8 +35,6 @@ _CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_
 
 
 def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None:
-    if spec.sink:
-        return "has an attention sink (one more logit column), which the cache does not add yet"
     if spec.causal is None and not mask_checked:
         mask = "it has no mask" if spec.mask == "none" else f"its {spec.mask} mask is not proven causal"
         return f"is not proven to be causal self-attention ({mask})"
@@ -235,6 +233,7 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, pro
     check = MaskCheck(fx.GraphModule(gm, graph), isinstance(term, Add), getattr(term, "keep_when_true", False),
                       m.record.name, where)
     device = tokens.meta["val"].device
+    check.probe = probe
     lengths = sorted({*range(1, upto + 1), probe})
     try:
         check.window = check.find_window(probe, device)

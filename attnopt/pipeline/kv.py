@@ -104,7 +104,7 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     if budget is not None and lm.bytes_per_sequence is not None and lm.bytes_per_sequence > budget:
         raise ValueError(f"one sequence of max_len={limit} needs {lm.bytes_per_sequence} B of K/V cache "
                          f"({lm.bytes_per_token} B per position), more than memory_budget={budget} B: pass "
-                         f"max_len <= {budget // lm.bytes_per_token} or a larger memory_budget")
+                         f"max_len <= {lm.longest_that_fits(budget)} or a larger memory_budget")
     if compile:
         lm.run = torch.compile(gm, dynamic=True)
     return lm
@@ -133,10 +133,11 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
 
 def _probe(model: nn.Module, declared: int | None) -> int:
     """The length at which a mask checked at run time is read for a sliding window: past the window the config
-    names (``sliding_window``: a hint only, the mask decides), else 64 positions (within the model's limit)."""
+    names (``sliding_window``, up to 4096: a hint only, the mask decides), else 256 positions (within the
+    model's limit)."""
     config = getattr(model, "config", getattr(model, "cfg", None))
     hint = getattr(config, "sliding_window", None)
-    probe = hint + 1 if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint < 4096 else 64
+    probe = hint + 1 if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint <= 4096 else 256
     return min(probe, declared) if declared else probe
 
 

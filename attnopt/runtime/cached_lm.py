@@ -541,6 +541,13 @@ class CachedLM:
                     f"{c.site_name} ({c.where}) it builds is no longer {shape} for {batch} sequence(s) of {length} "
                     "tokens; call attnopt.generation.cached(model) again to build the cached model from the model "
                     "as it is now")
+            wider = c.find_window(length, device) if not ok and c.window is None else None
+            if wider is not None:
+                raise PositionError(
+                    f"the mask of {c.site_name} ({c.where}) is a sliding window of {wider} keys at {length} tokens, "
+                    f"which the cached model did not see when it read the mask at {c.probe} tokens; set "
+                    f"`config.sliding_window = {wider}` on the model (where to read the mask: the mask decides) "
+                    "and build it again with attnopt.generation.cached(model)")
             if not ok:
                 raise PositionError(f"the mask of {c.site_name} ({c.where}) is not {shape} for {batch} sequence(s) "
                                     f"of {length} tokens, so the cache would not compute what the model does")
@@ -565,7 +572,7 @@ class CachedLM:
         site: its window) at prefill."""
         return self._bytes_for(self.max_len)
 
-    def _longest(self, budget: int) -> int:
+    def longest_that_fits(self, budget: int) -> int:
         """The largest ``max_len`` whose sequence fits in ``budget`` bytes (may exceed the model's limit)."""
         lo, hi = 0, 1
         while (self._bytes_for(hi) or 0) <= budget and hi < 2**40:
@@ -600,7 +607,7 @@ class CachedLM:
             f"a batch of {batch} sequence(s) needs {_size(batch * per)} of K/V cache ({self.bytes_per_token} B per "
             f"position per sequence, max_len={self.max_len}), more than memory_budget={_size(self.memory_budget)}: "
             f"use a batch of at most {fit}, or build the cached model with max_len <= "
-            f"{self._longest(self.memory_budget // batch)} for this batch "
+            f"{self.longest_that_fits(self.memory_budget // batch)} for this batch "
             f"(attnopt.generation.cached(model, max_len=...)), or give a larger memory_budget")
 
     def describe(self) -> str:

@@ -234,6 +234,7 @@ class MaskCheck:
         self.site_name = site_name
         self.where = where
         self.window = window
+        self.probe = 0  # the length at which the window was looked for when the cached model was built
         self.checked: set[tuple[int, int]] = set()
         self.changed: str | None = None  # a model tensor it reads changed after cached() (see cached_lm.Watch)
 

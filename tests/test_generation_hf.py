@@ -1,0 +1,104 @@
+"""Hugging Face causal LMs in eager attention: GPT-2 (its Conv1D folds batch and time into rows) and Mistral
+(a sliding-window mask read at run time), from tiny configs with random weights.
+
+Exact against the plain loop, and against HF's own ``generate`` (its cache, positions from the attention mask
+for left-padded batches). Folds that are not position-wise are refused, naming the op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from attnopt.generation import PositionError, cached, generate, generate_plain, left_pad
+from attnopt.models import GPTConfig
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def _alone(model, prompts, n, **kw):
+    return [generate_plain(model, p[None], n, **kw)[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0, pad_token_id=0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    return model, cached(model)
+
+
+def test_gpt2_is_cached_through_its_conv1d_views(gpt2):
+    model, c = gpt2
+    assert len(c.sites) == 2 and c.max_len == 32 and len(c.mask_checks) == 2
+    idx = torch.randint(1, VOCAB, (2, 5))
+    torch.testing.assert_close(c.prefill(idx), model(idx).logits, atol=1e-5, rtol=1e-5)
+    new = torch.randint(1, VOCAB, (2, 3))
+    torch.testing.assert_close(c.step(new), model(torch.cat((idx, new), 1)).logits[:, 5:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(c, idx, 12), generate_plain(model, idx, 12))
+    kw = dict(do_sample=True, top_k=10)
+    assert torch.equal(generate(c, idx, 12, generator=torch.Generator().manual_seed(1), **kw),
+                       generate_plain(model, idx, 12, generator=torch.Generator().manual_seed(1), **kw))
+    # HF's own loop with its cache gives the same tokens
+    hf = model.generate(idx, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(c, idx, 12), hf)
+
+
+def test_gpt2_ragged_prompts_match_alone_and_hf_generate(gpt2):
+    model, c = gpt2
+    prompts = [torch.randint(1, VOCAB, (n,)) for n in (8, 1, 3)]
+    assert all(torch.equal(g, r) for g, r in zip(generate(c, prompts, 10), _alone(model, prompts, 10)))
+    ids, mask = left_pad(prompts)
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                        eos_token_id=None)
+    assert torch.equal(generate(c, ids, 10, attention_mask=mask), hf)
+
+
+def test_mistral_sliding_window_is_read_off_its_mask():
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=40,
+                                     sliding_window=5, attn_implementation="eager")
+    model = transformers.MistralForCausalLM(cfg).eval()
+    c = cached(model)
+    assert [s.capacity for s in c.sites] == [5] and "a causal window of 5" in c.describe()
+    idx = torch.randint(0, VOCAB, (2, 9))  # longer than the window
+    assert torch.equal(generate(c, idx, 25), generate_plain(model, idx, 25))
+    assert c.cache_bytes == 2 * 5 * c.bytes_per_token  # 34 positions seen, 5 kept
+    prompts = [torch.randint(0, VOCAB, (n,)) for n in (9, 1, 4)]
+    assert all(torch.equal(g, r) for g, r in zip(generate(c, prompts, 12), _alone(model, prompts, 12)))
+
+
+class Folded(nn.Module):
+    """Embeddings viewed ``(B*T, C)``, one op there, viewed back: the op decides whether positions stay apart."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.config = GPTConfig(block_size=16, vocab_size=VOCAB, n_embd=16)
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.op = op
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        b, t, c = x.shape
+        rows = x.reshape(b * t, c)
+        if self.op == "softmax-over-rows":
+            rows = rows.softmax(dim=0)  # mixes every position of every sequence
+        elif self.op == "time-major":
+            rows = rows + x.transpose(0, 1).reshape(t * b, c)  # row b*T + t meets row t*B + b
+        return self.head(self.proj(rows).view(b, t, c))
+
+
+@pytest.mark.parametrize(("op", "why"), [
+    ("softmax-over-rows", "aten.softmax at test_generation_hf.py:.*batch and sequence axes are folded into one"),
+    ("time-major", "aten.add at test_generation_hf.py:.*batch and sequence axes are folded into one"),
+], ids=["softmax-over-rows", "time-major"])
+def test_folds_that_mix_positions_are_refused(op, why):
+    with pytest.raises(PositionError, match=why):
+        cached(Folded(op).eval())
