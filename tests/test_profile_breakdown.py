@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
 from attnopt.profiling.breakdown import (
     BACKWARD_RANGE,
@@ -123,7 +124,11 @@ def test_cuda_uses_device_times_and_finds_the_backward_on_the_engine_threads():
     for tree in BACKWARD:  # the autograd engine runs CUDA work on its own device thread: roots there
         _events(tree, thread=2, out=engine)
     late = _events(("autograd::engine::evaluate_function: MulBackward0", 150, 160, 4, []), thread=2)
-    b = call_breakdown(forward + engine + late, "cuda")
+    # the profiler mirrors ranges on the device timeline and lists kernels as events of their own
+    mirrored = [SimpleNamespace(name=n, device_type=DeviceType.CUDA, is_user_annotation=True)
+                for n in (FORWARD_RANGE, BACKWARD_RANGE, "attnopt::site0")]
+    kernel = SimpleNamespace(name="void gemm_kernel<float>(...)", device_type=DeviceType.CUDA)
+    b = call_breakdown(forward + engine + late + mirrored + [kernel], "cuda")
     assert b.total_s == pytest.approx(100e-6)  # the call's wall time
     # kernels inside the site (bmm 10, softmax 8, dropout 3) and the softmax's backward kernel (11)
     assert b.attention_s == pytest.approx(32e-6)

@@ -84,6 +84,7 @@ def test_train_runs_forward_and_backward_and_reports_the_backward(sweep):
 
     report, _, model = sweep
     by = _by(report)
+    paths = {name for name, _ in model.named_modules()}
     for b in (1, 2):
         inference_peak = peak_memory(model.eval(), torch.randint(0, 32, (b, 8)))
         for v in ("eager", "sdpa"):
@@ -99,6 +100,9 @@ def test_train_runs_forward_and_backward_and_reports_the_backward(sweep):
             # and the backward's four (dV, dP, dQ, dK)
             assert train["attention_flops"] == 3 * 2 * (b * 2 * 36) * 16
             assert train["peak_bytes"] > inference_peak  # saved activations and gradients
+            peak = train["peak_op"]
+            if v == "eager" and peak["backward"]:  # named by the forward op that made the graph node
+                assert peak["module"] in paths, peak
     eager_backward = {op["name"] for op in by["train", 2, "eager"]["breakdown"]["ops"]
                       if op["pass"] == "backward" and op["attention"]}
     assert "aten::_softmax_backward_data" in eager_backward

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.autograd import DeviceType
+
 __all__ = ["BACKWARD_RANGE", "FORWARD_RANGE", "MODULE_PREFIX", "ROOT_MODULE", "SITE_PREFIX", "average",
            "call_breakdown", "is_op", "top"]
 
@@ -77,7 +79,7 @@ def call_breakdown(events: Iterable[Any], device: str) -> CallBreakdown:
     ``events`` are ``torch.profiler`` ``FunctionEvent`` objects (``prof.events()``) or anything
     with their fields; ``device`` is ``"cpu"`` (op times are CPU times) or ``"cuda"`` (device times).
     """
-    events = list(events)
+    events = [e for e in events if not _on_device(e)]  # kernels, and ranges mirrored on the device, are not walked
     calls = [e for e in events if e.name == FORWARD_RANGE]
     if len(calls) != 1:
         raise ValueError(f"expected one {FORWARD_RANGE} range in the profile, found {len(calls)}")
@@ -147,6 +149,11 @@ def call_breakdown(events: Iterable[Any], device: str) -> CallBreakdown:
                 visit(e, _Context("backward", None, ()))
     result.modules[ROOT_MODULE] = [result.modules.get(ROOT_MODULE, [0.0])[0], result.total_s, 1.0]
     return result
+
+
+def _on_device(event: Any) -> bool:
+    """A device-side event (a kernel, a copy, a range mirrored on the CUDA timeline)."""
+    return getattr(event, "device_type", DeviceType.CPU) == DeviceType.CUDA
 
 
 def _add(table: dict[Any, list[float]], key: Any, self_s: float, total_s: float, count: float) -> None:

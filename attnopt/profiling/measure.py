@@ -52,6 +52,8 @@ from ..pipeline.steps import find_in, matches
 from ..selection.measure import time_alternating
 from .breakdown import BACKWARD_RANGE, FORWARD_RANGE, MODULE_PREFIX, SITE_PREFIX, average, call_breakdown
 
+_EVALUATE = "autograd::engine::evaluate_function: "
+
 __all__ = ["Runner", "SiteCounter", "bracket_sites", "causal_entries", "is_oom", "make_runner", "make_train_runner",
            "matmul_rate", "profile_memory", "profile_ranges", "sync", "time_runners"]
 
@@ -268,6 +270,7 @@ class MemoryPeak:
     alloc_bytes: int | None = None  # the size of that allocation
     module: str | None = None  # innermost module around it: its path, or the profiler's ``<class>_<n>``
     site: str | None = None  # the ``attnopt::<site>`` range around it, if any
+    backward: bool = False  # in a training step's backward: module and site are its forward op's
     profiler: Any = None
     timeline: Timeline | None = None
 
@@ -351,14 +354,23 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
     result = MemoryPeak(peak_bytes=int(peak), profiler=prof, timeline=_timeline(events, records, marks))
     if at is None:
         return result
-    t, thread = at.start_ns(), at.start_thread_id()
-    around = [e for e in events if e.name() != "[memory]" and e.start_thread_id() == thread
-              and e.start_ns() <= t <= e.end_ns()]
+    around = _around(events, at.start_ns(), at.start_thread_id())
     ops = [e for e in around if e.name().startswith("aten::")]
     if ops:
         outer = min(ops, key=lambda e: (e.start_ns(), -e.end_ns()))  # the op user code called
         result.op, result.shapes = outer.name(), [list(s) for s in outer.shapes() if s]
     result.alloc_bytes = int(at.nbytes())
+    nodes = [e for e in around if e.name().startswith(_EVALUATE)]
+    if nodes:  # in the backward: name the module and site of the forward op that made the graph node
+        result.backward = True
+        seq = max(nodes, key=lambda e: e.start_ns()).sequence_nr()
+        starts = [e.start_ns() for e in events if e.name() == BACKWARD_RANGE] or [min(e.start_ns() for e in nodes)]
+        made = [e for e in events if seq >= 0 and e.sequence_nr() == seq and e.name().startswith("aten::")
+                and e.start_ns() < starts[0]]
+        if not made:
+            return result
+        forward = max(made, key=lambda e: e.start_ns())
+        around = _around(events, forward.start_ns(), forward.start_thread_id())
     modules = [e for e in around if e.name().startswith("nn.Module: ")]
     if model is None:  # a compiled or cached call: the wrappers around its graph say nothing about the op
         modules = [e for e in modules if e.name()[len("nn.Module: "):].rpartition("_")[0] not in wrappers]
@@ -370,8 +382,15 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
     return result
 
 
+def _around(events: list[Any], t: int, thread: int) -> list[Any]:
+    """The events of ``thread`` open at time ``t`` (ns)."""
+    return [e for e in events if e.name() != "[memory]" and e.start_thread_id() == thread
+            and e.start_ns() <= t <= e.end_ns()]
+
+
 def _timeline(events: list[Any], records: list[Any],
               module_marks: list[tuple[str, int, int]] | None = None) -> Timeline | None:
+    events = [e for e in events if e.device_type() == DeviceType.CPU]  # host time; not the ranges mirrored on CUDA
     calls = [e for e in events if e.name() == FORWARD_RANGE]
     if not calls:
         return None

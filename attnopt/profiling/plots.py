@@ -30,7 +30,8 @@ _CURVES = (
     ("peak_memory_vs_seq_len.png", "peak_bytes", 2.0**-20, "peak tensor memory (MiB)", True),
     ("attention_share.png", "attention_share", 100.0, "attention share of the call (%)", False),
 )
-_TOP_OPS = 7  # ops with their own colour in breakdown.png; the others are "other ops"
+_TOP_OPS = 9  # ops with their own colour in breakdown.png (tab10 less its grey); the others are "other ops"
+_COLOURS = ["C0", "C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9"]
 
 
 def _label(phase: str) -> str:
@@ -125,14 +126,20 @@ def _breakdown(ok: list[dict[str, Any]], path: Path) -> str | None:
         return None
     points = list(dict.fromkeys((r["phase"], r["batch_size"], r["seq_len"]) for r in recs))
     variants = list(dict.fromkeys(r["variant"] for r in recs))
-    # the ops that take the most of their bars, each bar weighing alike (a long point does not crowd out the rest)
+    # every bar's two largest ops, then the ops that take the most of their bars, each bar weighing alike (a long
+    # point does not crowd out the rest)
     weight: dict[str, float] = {}
+    firsts: list[str] = []
     for r in recs:
         bd = r["breakdown"]
-        for name, s in top(bd["ops"], "self_s", n=len(bd["ops"])):
+        ranked = top(bd["ops"], "self_s", n=len(bd["ops"]))
+        firsts += [name for name, _ in ranked[:2] if name not in firsts]
+        for name, s in ranked:
             weight[name] = weight.get(name, 0.0) + s / bd["total_s"]
-    named = [n for n, _ in sorted(weight.items(), key=lambda kv: -kv[1])[:_TOP_OPS]]
-    colours = {n: f"C{i}" for i, n in enumerate(named)} | {"other ops": "#9e9e9e", "outside ops": "#dcdcdc"}
+    by_weight = sorted(weight, key=lambda n: -weight[n])
+    named = sorted(firsts, key=by_weight.index)[:_TOP_OPS]
+    named = sorted(named + [n for n in by_weight if n not in named][:_TOP_OPS - len(named)], key=by_weight.index)
+    colours = {n: _COLOURS[i] for i, n in enumerate(named)} | {"other ops": "#9e9e9e", "outside ops": "#dcdcdc"}
     fig = Figure(figsize=(10, 0.9 + sum(0.35 * len([r for r in recs if (r["phase"], r["batch_size"], r["seq_len"])
                                                    == p]) + 0.55 for p in points)), layout="constrained")
     heights = [len([r for r in recs if (r["phase"], r["batch_size"], r["seq_len"]) == p]) + 0.6 for p in points]
@@ -199,8 +206,10 @@ def _batch(records: list[dict[str, Any]], sweeps: Sequence[dict[str, Any]], path
                     text = what or s[key]["status"]
                     for ax in (ax_thr, ax_lat):
                         ax.axvline(b, color=colour, linestyle=":", alpha=0.8)
-                        ax.annotate(f"B={b} {text}", (b, 1), xycoords=("data", "axes fraction"), rotation=90,
-                                    va="top", ha="right", fontsize="x-small", color=colour)
+                        ax.annotate(f"{s['variant']}: B={b} {text}", (b, 0.03), xycoords=("data", "axes fraction"),
+                                    rotation=90, va="bottom", ha="center", fontsize="x-small", color=colour,
+                                    bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none",
+                                          "alpha": 0.85})
         sizes = sorted({b for s in sweeps if s["phase"] == phase for b in s["batch_sizes"]})
         for ax, ylabel in ((ax_thr, "throughput (tokens/s)"), (ax_lat, "latency per call (ms)")):
             ax.set_xscale("log", base=2)
@@ -246,6 +255,7 @@ def _readable_log_axis(ax: Any) -> None:
 def _kv(ok: list[dict[str, Any]], path: Path, budget: int | None) -> str | None:
     import numpy as np
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     served = [r for r in ok if r.get("kv_bytes_per_token")]
     if not served:
@@ -280,6 +290,8 @@ def _kv(ok: list[dict[str, Any]], path: Path, budget: int | None) -> str | None:
         ax.annotate(f"KV budget {budget / 2**20:.4g} MiB", (x[0], budget / 2**20), va="bottom", fontsize="small")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0f}"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _short(v)))
     ax.set_xlabel("context length (positions)")
     ax.set_ylabel("KV cache (MiB)")
     ax.set_title("KV cache: bytes per position x batch size x context length\n(dots: the sweep's decode points"
@@ -330,7 +342,7 @@ def memory_timeline_plot(timelines: dict[str, Any], path: Path, title: str) -> s
                     "modules holding the sites" if "modules" in kinds else "") if k))]
     if any(tl.backward is not None for tl in timelines.values()):
         handles.append(Patch(facecolor="C2", alpha=0.12, label="backward"))
-    axes[0].legend(handles=handles, loc="upper left", fontsize="small")
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize="small")
     fig.suptitle(f"{title}: live tensor memory over one call (allocated minus freed since its start)",
                  fontsize="medium")
     fig.savefig(path, dpi=_DPI)

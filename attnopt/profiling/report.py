@@ -115,7 +115,9 @@ RECORD_SCHEMA: dict[str, Any] = {
         "peak_op": {"type": ["object", "null"], "required": ["op", "shapes", "alloc_bytes", "module", "site"],
                     "additionalProperties": False,
                     "properties": {"op": _STR, "shapes": {"type": "array"},
-                                   "alloc_bytes": {"type": ["integer", "null"]}, "module": _STR, "site": _STR}},
+                                   "alloc_bytes": {"type": ["integer", "null"]}, "module": _STR, "site": _STR,
+                                   # a training step's backward: module and site are those of its forward op
+                                   "backward": {"type": "boolean"}}},
         "attention_flops": _NUM,
         "attention_flops_per_s": _NUM,
         "roofline_ratio": _NUM,
@@ -240,7 +242,8 @@ def _peak_op(r: dict[str, Any]) -> str:
     if not p.get("op"):
         return "-"
     where = p.get("site") or p.get("module")
-    return p["op"].replace("aten::", "") + (f" @{where}" if where else "")
+    return (p["op"].replace("aten::", "") + (f" @{where}" if where else "")
+            + (" (backward)" if p.get("backward") else ""))
 
 
 TABLE_HEADERS = ["B", "T", "phase", "variant", "status", "time ms", "attn ms*", "attn %*", "peak MiB", "peak op",
@@ -286,8 +289,11 @@ def _where(r: dict[str, Any]) -> str:
     shapes = " x ".join(str(s) for s in p["shapes"][:2])
     site = p.get("site")
     where = r["sites"].get(site, {}).get("where") if site else None
-    place = f"in {site} ({where})" if where else (f"in {site}" if site else (f"in {p['module']}" if p["module"]
-                                                                            else "outside attention"))
+    place = f"{site} ({where})" if where else (site or p["module"])
+    if p.get("backward"):
+        place = f"in the backward of {place}" if place else "in the backward"
+    else:
+        place = f"in {place}" if place else "outside attention"
     return f" at {p['op']}{f' on {shapes}' if shapes else ''} {place}"
 
 
@@ -411,7 +417,7 @@ def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
     elif s["still_growing"]:
         before = s["candidates"][-2]
         text = (f"{point}: throughput still grows at the largest batch size, B={spot} ({_rate(by[spot][0])} tokens/s, "
-                f"{_ms(by[spot][1])} ms per call; {100 * by[before][2]:+.0f}% per doubling from B={before}): "
+                f"{_ms(by[spot][1])} ms per call; {_growth(by[before][2])} per doubling from B={before}): "
                 "try larger batch sizes")
     else:
         after = s["candidates"][s["candidates"].index(spot) + 1]
@@ -419,7 +425,7 @@ def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
         noise = "" if None in spreads else f", the two runs' spread {100 * sum(spreads):.0f}%"
         text = (f"{point}: throughput stops growing at B={spot} ({_rate(by[spot][0])} tokens/s, {_ms(by[spot][1])} ms "
                 f"per call): no larger batch size gains more than {x:g}% per doubling beyond the noise "
-                f"(B={after}: {100 * by[spot][2]:+.0f}% per doubling{noise})")
+                f"(B={after}: {_growth(by[spot][2])} per doubling{noise})")
     if s["first_failure"] is not None:
         f = s["first_failure"]
         text += f"; B={f['batch_size']} is the first to fail ({f['status']}: {_shorten(f['error'] or '', 80)})"
@@ -430,6 +436,11 @@ def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
     elif memory_budget is not None and s["first_failure"] is None:
         text += f"; every batch size fits the memory budget of {_mib(memory_budget)} MiB"
     return text + "."
+
+
+def _growth(g: float) -> str:
+    """``+12%``, ``-3%``, ``+0%`` (never ``-0%``)."""
+    return f"{round(100 * g) + 0:+d}%"
 
 
 def _rate(x: float | None) -> str:

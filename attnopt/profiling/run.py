@@ -380,7 +380,7 @@ class _Session:
                                      site_modules=frozenset(w.split(" ")[0] for w in sites_where.values()))
                 rec["peak_bytes"] = mem.peak_bytes
                 rec["peak_op"] = {"op": mem.op, "shapes": mem.shapes, "alloc_bytes": mem.alloc_bytes,
-                                  "module": mem.module, "site": mem.site}
+                                  "module": mem.module, "site": mem.site, "backward": mem.backward}
                 if self.memory_timeline and mem.timeline is not None:
                     self.timelines[v] = mem.timeline
                 if self.trace_dir is not None and self.dev.type == "cuda":
