@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..env import __version__
-from .report import BREAKDOWN_HEADERS, TABLE_HEADERS, _ms, _rate, breakdown_rows, table_rows, write_atomic
+from .report import BREAKDOWN_HEADERS, TABLE_HEADERS, breakdown_rows, ms_text, rate_text, table_rows, write_atomic
 
 __all__ = ["render_html", "write_html"]
 
@@ -33,7 +33,8 @@ section { margin-top: 26px; }
 summary h2 { display: inline; border: 0; }
 summary { cursor: pointer; margin-bottom: 8px; border-bottom: 1px solid var(--line); padding-bottom: 4px; }
 h2 { font-size: 16px; margin: 0 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--line); }
-ul.summary { margin: 0; padding-left: 20px; }
+ul.summary { margin: 0 0 6px; padding-left: 20px; }
+h3 { font-size: 13px; margin: 10px 0 2px; color: var(--muted); text-transform: uppercase; letter-spacing: .04em; }
 ul.summary li { margin: 3px 0; }
 .scroll { overflow-x: auto; border: 1px solid var(--line); border-radius: 6px; }
 table { border-collapse: collapse; font-size: 12.5px; width: 100%; }
@@ -91,8 +92,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], row_classes: S
 def _sweep_rows(sweeps: Sequence[dict[str, Any]]) -> list[list[Any]]:
     rows = []
     for s in sweeps:
-        per_b = ", ".join(f"B={b}: {_rate(x)}" for b, x in zip(s["batch_sizes"], s["tokens_per_s"]) if x is not None)
-        lat = ", ".join(f"B={b}: {_ms(x)}" for b, x in zip(s["batch_sizes"], s["latency_s"]) if x is not None)
+        per_b = ", ".join(f"B={b}: {rate_text(x)}" for b, x in zip(s["batch_sizes"], s["tokens_per_s"])
+                          if x is not None)
+        lat = ", ".join(f"B={b}: {ms_text(x)}" for b, x in zip(s["batch_sizes"], s["latency_s"]) if x is not None)
         spot = "-" if s["sweet_spot"] is None else f"B={s['sweet_spot']}" + (" (still growing)"
                                                                               if s["still_growing"] else "")
         f = s["first_failure"]
@@ -149,8 +151,14 @@ def render_html(report: dict[str, Any]) -> str:
         + "</p></header><main>",
     ]
     if report["summary"]:
-        parts.append('<section id="summary"><h2>Summary</h2><ul class="summary">'
-                     + "".join(f"<li>{html.escape(line)}</li>" for line in report["summary"]) + "</ul></section>")
+        groups: dict[str, list[str]] = {}  # the summary's lines by the phase they open with
+        for line in report["summary"]:
+            phase = line.split(",", 1)[0]
+            groups.setdefault(phase if phase in ("prefill", "decode", "train") else "", []).append(line)
+        parts.append('<section id="summary"><h2>Summary</h2>' + "".join(
+            (f"<h3>{html.escape(phase)}</h3>" if phase else "") + '<ul class="summary">'
+            + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>" for phase, lines in groups.items())
+            + "</section>")
     classes = ["failed" if r["status"] in ("oom", "error") else "" for r in records]
     parts.append('<section id="results"><h2>Results</h2>' + _table(TABLE_HEADERS, table_rows(records), classes)
                  + '<p class="note">* in profiled calls (profiling slows the call too; the share compares times of '

@@ -25,7 +25,7 @@ from .breakdown import top
 from .plots import plot
 
 __all__ = ["BREAKDOWN_HEADERS", "REPORT_SCHEMA", "SCHEMA_VERSION", "TABLE_HEADERS", "breakdown_rows", "breakdown_table",
-           "plot", "summarize", "table", "table_rows", "write_json"]
+           "ms_text", "plot", "rate_text", "summarize", "table", "table_rows", "write_json"]
 
 SCHEMA_VERSION = 1
 
@@ -222,7 +222,8 @@ def _umask() -> int:
     return mask
 
 
-def _ms(s: float | None) -> str:
+def ms_text(s: float | None) -> str:
+    """Seconds as milliseconds with two decimals, ``-`` for None."""
     return "-" if s is None else f"{s * 1e3:.2f}"
 
 
@@ -272,7 +273,7 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
             continue
         rows.append([
             r["batch_size"], r["seq_len"], r["phase"] + (f" ({r['decode_method']})" if r["decode_method"] else ""),
-            r["variant"], "ok", _ms(r["forward_s"]), _ms(r["attention_s"]),
+            r["variant"], "ok", ms_text(r["forward_s"]), ms_text(r["attention_s"]),
             "-" if share is None else f"{100 * share:.0f}%", _mib(r["peak_bytes"]), _peak_op(r),
             "-" if flops is None else f"{flops / 1e9:.1f} ({100 * roof:.0f}%)",
             "n/a" if r["idle_gap_s"] is None else f"{100 * r['idle_gap_share']:.0f}%",
@@ -321,14 +322,15 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None,
         call = "training step (forward + backward)" if phase == "train" else "forward"
         if base["attention_share"] is not None:
             lines.append(f"{point}: attention is {100 * base['attention_share']:.0f}% of the {base['variant']} "
-                         f"{call} ({_ms(base['attention_s'])} of {_ms(base['profiled_forward_s'])} ms in profiled "
-                         f"calls, {len(base['sites'])} site(s)).")
+                         f"{call} ({ms_text(base['attention_s'])} of {ms_text(base['profiled_forward_s'])} ms in "
+                         f"profiled calls, {len(base['sites'])} site(s)).")
         else:
-            lines.append(f"{point}: the {base['variant']} {call} takes {_ms(base['forward_s'])} ms; its attention "
+            lines.append(f"{point}: the {base['variant']} {call} takes {ms_text(base['forward_s'])} ms; its attention "
                          f"time is n/a ({base['attention_note']}).")
         if base.get("backward_s") is not None:
-            lines.append(f"{point}: the {base['variant']} backward takes {_ms(base['backward_s'])} of "
-                         f"{_ms(base['forward_s'])} ms per step ({100 * base['backward_s'] / base['forward_s']:.0f}%).")
+            lines.append(f"{point}: the {base['variant']} backward takes {ms_text(base['backward_s'])} of "
+                         f"{ms_text(base['forward_s'])} ms per step "
+                         f"({100 * base['backward_s'] / base['forward_s']:.0f}%).")
         if base["peak_bytes"] is not None:
             lines.append(f"{point}: the {base['variant']} peak is {_mib(base['peak_bytes'])} MiB, "
                          f"reached{_where(base)}.")
@@ -343,7 +345,7 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None,
                 lines.append(f"{point}: {name} ({_changed(r)}) is {speed_text} than eager, peak {peak_text} "
                              f"({_mib(r['peak_bytes'])} MiB{_where(r)}).")
             else:
-                lines.append(f"{point}: {name} takes {_ms(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
+                lines.append(f"{point}: {name} takes {ms_text(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
         lines += [f"{point}: {name}'s time goes to {text}." for name, r in at.items() if (text := _goes_to(r))]
         longest = max((s["seq_len"] for s in sweeps if s["phase"] == phase), default=None)
         lines += [_sweep_line(s, memory_budget) for s in sweeps if (s["phase"], s["seq_len"]) == (phase, longest)]
@@ -416,16 +418,16 @@ def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
                 f"failure and within the budget; it needs two)")
     elif s["still_growing"]:
         before = s["candidates"][-2]
-        text = (f"{point}: throughput still grows at the largest batch size, B={spot} ({_rate(by[spot][0])} tokens/s, "
-                f"{_ms(by[spot][1])} ms per call; {_growth(by[before][2])} per doubling from B={before}): "
-                "try larger batch sizes")
+        text = (f"{point}: throughput still grows at the largest batch size, B={spot} "
+                f"({rate_text(by[spot][0])} tokens/s, {ms_text(by[spot][1])} ms per call; "
+                f"{_growth(by[before][2])} per doubling from B={before}): try larger batch sizes")
     else:
         after = s["candidates"][s["candidates"].index(spot) + 1]
         spreads = [by[b][3] for b in (spot, after)]
         noise = "" if None in spreads else f", the two runs' spread {100 * sum(spreads):.0f}%"
-        text = (f"{point}: throughput stops growing at B={spot} ({_rate(by[spot][0])} tokens/s, {_ms(by[spot][1])} ms "
-                f"per call): no larger batch size gains more than {x:g}% per doubling beyond the noise "
-                f"(B={after}: {_growth(by[spot][2])} per doubling{noise})")
+        text = (f"{point}: throughput stops growing at B={spot} ({rate_text(by[spot][0])} tokens/s, "
+                f"{ms_text(by[spot][1])} ms per call): no larger batch size gains more than {x:g}% per doubling "
+                f"beyond the noise (B={after}: {_growth(by[spot][2])} per doubling{noise})")
     if s["first_failure"] is not None:
         f = s["first_failure"]
         text += f"; B={f['batch_size']} is the first to fail ({f['status']}: {_shorten(f['error'] or '', 80)})"
@@ -443,7 +445,8 @@ def _growth(g: float) -> str:
     return f"{round(100 * g) + 0:+d}%"
 
 
-def _rate(x: float | None) -> str:
+def rate_text(x: float | None) -> str:
+    """``12.3k``, ``1.5M``: a rate with three significant digits, ``-`` for None."""
     if x is None:
         return "-"
     for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
