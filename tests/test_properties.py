@@ -621,7 +621,30 @@ def test_grammar_eval_outputs_grads_idempotent(s: Spelling) -> None:
 
 # ----------------------------------------------------------------------------- section F: look-alikes
 
-LOOKALIKES = ("talking_heads", "sink", "softmax_queries", "mask_after_softmax", "probs_returned", "scores_returned")
+LOOKALIKES = ("talking_heads", "softmax_queries", "mask_after_softmax", "probs_returned", "scores_returned")
+
+
+@given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.layout == "4d" and s.Tq > 1))
+def test_grammar_with_an_attention_sink(s: Spelling) -> None:
+    """Any 4-D spelling with a sink column concatenated before the softmax and dropped after it: exact outputs
+    and gradients (the sink's too), rewritten unless a score modifier or finite fill keeps the sink as written."""
+    EXERCISED["sinks"].add(s.axes())
+    model, inputs = make_case(s, "sink")
+    model.eval()
+    gm, ex = capture(model, *inputs)
+    new = attnopt.rewrite(gm, ex, variant=variant_for(s))
+    report = new.meta["attnopt_report"]
+    (record,) = report.records
+    if s.score_mod == "none" and s.mask not in ("arg_fill_1e4", "arg_where_100"):
+        assert record.rewritten and record.spec.sink, str(report)
+    else:
+        assert not record.rewritten and "sink" in record.reason, str(report)
+    ref_out, ref_g, cot = grads(gm, ex)
+    new_out, new_g, _ = grads(new, ex, cot)
+    torch.testing.assert_close(new_out, ref_out, **tol(s))
+    scale = max(g.double().norm().item() for g in ref_g)
+    for i, (a, b) in enumerate(zip(new_g, ref_g)):
+        assert_grad_close(a, b, s, f"gradient of graph input {i}", scale)
 
 
 @given(s=spellings(dtypes=("fp32",)).filter(lambda s: s.layout == "4d" and s.Tq > 1),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import support
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -339,3 +340,39 @@ def test_views_with_unprovable_symbolic_sizes_are_refused() -> None:
         else:
             with pytest.raises(NearMiss, match=why):
                 fold_view(y, "scores")
+
+
+def _rank5_nest(self, x):
+    """timm NesT: q, k, v of shape (B, H, T, N, d), a block axis T beside the heads."""
+    b, t, n, c = x.shape
+    q, k, v = self.qkv(x).reshape(b, t, n, 3, 4, c // 4).permute(3, 0, 4, 1, 2, 5).unbind(0)
+    attn = ((q @ k.transpose(-2, -1)) * 0.25).softmax(dim=-1)
+    return (attn @ v).permute(0, 2, 3, 4, 1).reshape(b, t, n, c)
+
+
+def _rank5_windows(self, x, mask):
+    """timm Twins (locally-grouped attention): (B, nW, H, N, d) with a per-window additive mask."""
+    b, w, n, c = x.shape
+    q, k, v = self.qkv(x).reshape(b, w, n, 3, 4, c // 4).permute(3, 0, 1, 4, 2, 5)
+    attn = (q @ k.transpose(-2, -1)) * 0.25 + mask.unsqueeze(1)  # mask (nW, N, N)
+    return attn.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("body", [_rank5_nest, _rank5_windows], ids=["nest", "windows"])
+def test_rank5_operands_fold_their_leading_axes(body) -> None:
+    model = support.Fn(body)  # (this file's own Fn passes no module)
+    model.qkv = torch.nn.Linear(16, 48)
+    opt = attnopt.optimize(model, variant="sdpa")
+    for shape in ((2, 3, 5, 16), (3, 2, 7, 16)):  # the second recompiles with symbolic sizes
+        x = torch.randn(*shape)
+        inputs = [x] if body is _rank5_nest else [x, torch.randn(shape[1], shape[2], shape[2])]
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out, ref = opt(*leaves), model(*inputs)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        params = list(model.parameters())
+        g = torch.autograd.grad(out.square().sum(), params)
+        g_ref = torch.autograd.grad(ref.square().sum(), params)
+        for a, e in zip(g, g_ref):
+            torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+    report = attnopt.explain(opt)
+    assert report.records and all(r.decision == "rewritten" for r in report.records), str(report)

@@ -911,9 +911,9 @@ def _operand_shapes(st: _Partial) -> None:
         if not (len(q_shape) == len(key_shape) and 2 <= len(q_shape) <= 6 and 2 <= len(v_shape) <= 6):
             raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; with views of the "
                            "scores, q and k of one rank (2 to 6) are rewritten")
-    elif not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 4):
+    elif not (len(q_shape) == len(key_shape) == len(v_shape) and 2 <= len(q_shape) <= 6):
         raise NearMiss(f"q, k, v have ranks {len(q_shape)}, {len(key_shape)}, {len(v_shape)}; "
-                       "equal ranks of 2 to 4 are rewritten")
+                       "equal ranks of 2 to 6 are rewritten")
     st.key_shape, st.q_shape, st.v_shape, st.out_shape = key_shape, q_shape, v_shape, out_shape
     st.tq, st.tk = q_shape[-2], key_shape[-2]
     if not same(v_shape[-2], st.tk):
@@ -928,12 +928,13 @@ def _heads(st: _Partial) -> None:
     query head, or heads that ``repeat_kv`` (``repeat_interleave``, ``expand``) shares in groups."""
     q_shape, key_shape, v_shape = st.q_shape, st.key_shape, st.v_shape
     st.k_src, st.v_src = st.k, st.v
-    if st.views:
+    if st.views or len(q_shape) > 4:
         # viewed scores: the products broadcast nothing, so q, k and v are brought to the site's layout whole
         lp, lv = shape_of(st.product)[:-2], shape_of(_p_operand(st))[:-2]  # type: ignore[index]
         if st.v_transposed or not (_same_dims(q_shape[:-2], lp) and _same_dims(key_shape[:-2], lp)
                                    and _same_dims(v_shape[:-2], lv)):
-            raise NearMiss(f"the scores are viewed (leading axes folded or unfolded) and batch/head dims of q "
+            raise NearMiss(f"the scores are viewed (leading axes folded or unfolded) or of rank 5 or more, and "
+                           f"batch/head dims of q "
                            f"{list(q_shape[:-2])}, k {list(key_shape[:-2])} and v {list(v_shape[:-2])} are broadcast "
                            "inside a product (or v is transposed); with such views only equal ones are rewritten")
         return
@@ -963,7 +964,7 @@ def _masks(st: _Partial) -> None:
     """passes/masks.py reads the masks as one SDPA mask; each has no more dims than the scores, and an
     additive one the scores' dtype (or bool/integer, which the sum promotes: :func:`promoted_mask`); an
     ``aten._safe_softmax`` has no row that the mask may hide entirely (:func:`_safe_rows`)."""
-    if st.views:
+    if st.views or len(st.q_shape) > 4:  # rank 5 or 6 (a window or group axis): the site folds leading axes
         _relayouts(st)
     plan = plan_mask(st.masks, st.tq, st.tk, dtype_of(st.scores_in), st.gm, st.concrete)
     if isinstance(plan, str):
@@ -1011,8 +1012,13 @@ def _relayouts(st: _Partial) -> None:
     within = [m for t, m in zip(st.masks, st.mask_layouts) if partly(t, m) and len(m.shape) <= 2]
     fits = [m for m in layouts if len(m.shape) <= 2]
     if not within and not fits:
-        raise NearMiss(f"the scores have more than two leading dims in every view of them ({layouts[0]}); "
-                       "q, k and v of rank 4 at most are rewritten")
+        # more than two leading dims everywhere (q, k, v of rank 5: timm's Twins/NesT window axis): the site
+        # folds all of them but the head axis into one batch axis
+        *outer, head = product.shape
+        folded = outer[0]
+        for d in outer[1:]:
+            folded = folded * d
+        fits = [Layout((folded, head), (None, product.sizes[-1]))]
     site = within[0] if within else max(fits, key=lambda m: len(m.shape))
     st.masks = [replace(t, relayout=relayout(lead(t), m, site, "the mask"))
                 for t, m in zip(st.masks, st.mask_layouts)]
@@ -1126,18 +1132,18 @@ def _same_expression(a: Any, b: Any, depth: int = 6) -> bool:
 
 
 def _sink_rule(st: _Partial) -> None:
-    """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): the scale is
-    a number (the sink's column is ``scale * (sink / scale)``; in half types a power of two, so that quotient is
-    exact), no score modifier (it would change the sink's column too), no finite fill, and the site's own
-    layout (no views of the scores, ``P @ V`` as written)."""
+    """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): the sink's
+    column is ``scale * (sink / scale)``, so in half types the scale is a number and a power of two (that
+    quotient is then exact); no score modifier (it would change the sink's column too), no finite fill, and
+    the site's own layout (no views of the scores, ``P @ V`` as written)."""
     if st.sink is None:
         return
     assert st.plan is not None
     why = None
     if st.score_mod is not None:
         why = f"a score modifier ({st.score_mod.describe()}) is applied to the scores"
-    elif st.scale_tensors or st.scale_nodes:
-        why = "the scale is a tensor or a run-time number"
+    elif (st.scale_tensors or st.scale_nodes) and st.q_dtype in (torch.float16, torch.bfloat16):
+        why = f"in {st.q_dtype} the scale is a tensor or a run-time number (the sink's column would be rounded)"
     elif st.scale == 0.0:
         why = "the scale is zero"
     elif st.q_dtype in (torch.float16, torch.bfloat16) and math.frexp(abs(st.scale))[0] != 0.5:
@@ -1148,8 +1154,9 @@ def _sink_rule(st: _Partial) -> None:
     elif st.views or st.v_transposed:
         why = "the scores or probabilities are viewed in another layout, or v is multiplied transposed"
     if why:
-        raise NearMiss(f"the attention sink is left as written: {why} (a sink becomes one more key with a number "
-                       "as scale, no score modifier, no finite fill, and the scores in the layout of q @ k^T)")
+        raise NearMiss(f"the attention sink is left as written: {why} (a sink becomes one more key with no score "
+                       "modifier, no finite fill, the scores in the layout of q @ k^T and, in half types, a power "
+                       "of two as scale)")
 
 
 def _v_dtype(st: _Partial) -> None:

@@ -229,11 +229,6 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             mask = _emit_mask(graph, m)
             v = graph.call_method("transpose", (m.v, -2, -1)) if m.v_transposed else m.v
             v = _relaid(graph, v, m.v_relayout)
-            if m.sink is not None:  # one more key: the sink's logit in every row, a zero value
-                structural = m.mask.causal == "top_left" and mask is None
-                mask = graph.call_function(sink_mask, (mask, q, k, structural))
-                widened = graph.call_function(sink_operands, (q, k, v, m.sink, m.spec.scale))
-                q, k, v = (graph.call_function(operator.getitem, (widened, i)) for i in range(3))
             guards = []
             guard_nodes: list[fx.Node] = []
             if mask is not None:
@@ -252,6 +247,14 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 scale = m.spec.scale
                 for factor, how in m.scale_nodes:
                     scale = graph.call_function(operator.mul if how == "mul" else operator.truediv, (scale, factor))
+            if m.sink is not None:  # one more key: the sink's logit in every row, a zero value
+                if scale_tensor is not None:  # folded into q here, so that the sink's column is not scaled
+                    q, scale_tensor = graph.call_function(operator.mul, (q, scale_tensor)), None
+                structural = m.mask.causal == "top_left" and mask is None
+                mask = graph.call_function(sink_mask, (mask, q, k, structural))
+                widened = graph.call_function(sink_operands, (q, k, v, m.sink, m.spec.scale if scale is None
+                                                              else scale))
+                q, k, v = (graph.call_function(operator.getitem, (widened, i)) for i in range(3))
             name = f"attnopt_{m.record.name}"
             while hasattr(gm, name):
                 name += "_"
