@@ -87,9 +87,17 @@ def test_records_become_sweeps_and_the_summary_says_it_in_words():
     assert sweep["first_over_budget"] == {"batch_size": 4, "memory_bytes": 4096, "budget": 3000}  # peak + KV cache
     assert sweep["sweet_spot"] == 2 and sweep["still_growing"]
     (line,) = [s for s in summarize(records, sweeps=[sweep], memory_budget=3000) if "throughput" in s]
-    assert line.startswith("decode, T=64, auto: throughput still grows at the largest batch size, B=2 (200 tokens/s")
+    assert line.startswith("decode, T=64, auto: throughput still grows at B=2, the largest batch size that runs "
+                           "within the budget (200 tokens/s")
     assert "B=16 is the first to fail (oom: RuntimeError: CUDA out of memory.)" in line
     assert "B=4 is the first above the memory budget" in line
     (sweep,) = batch_sweeps(records)
     (line,) = [s for s in summarize(records, sweeps=[sweep]) if "throughput" in s]
     assert "stops growing at B=4 (381 tokens/s, 10.50 ms per call)" in line and "(B=8: +2% per doubling)" in line
+
+
+def test_growth_to_the_end_of_the_sweep_says_to_try_larger_batch_sizes():
+    records = [_record("prefill", b, T, "sdpa", forward_s=s, peak_bytes=10) for b, s in ((1, 0.010), (2, 0.011))]
+    (line,) = [s for s in summarize(records, sweeps=batch_sweeps(records)) if "throughput" in s]
+    assert line == ("prefill, T=128, sdpa: throughput still grows at the largest batch size, B=2 (23.3k tokens/s, "
+                    "11.00 ms per call; +82% per doubling from B=1): try larger batch sizes.")

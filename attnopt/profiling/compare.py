@@ -154,6 +154,8 @@ def _ratio_text(ratio: float | None, verdict: str) -> str:
 def render(rows: list[Row], changes: list[str], threshold: float, memory_threshold: float) -> str:
     from tabulate import tabulate
 
+    from .report import mib_text
+
     lines = [f"environment: {'; '.join(changes)}" if changes else "environment: the same"]
     if not rows:
         lines.append("no point and variant is in both reports")
@@ -162,8 +164,7 @@ def render(rows: list[Row], changes: list[str], threshold: float, memory_thresho
                   _ms(r.old_s), _ms(r.new_s),
                   _ratio_text(r.time_ratio, r.time_verdict)
                   + ("" if r.noise is None or r.noise <= threshold else f" (noise {100 * r.noise:.0f}%)"),
-                  "-" if r.old_bytes is None else f"{r.old_bytes / 2**20:.1f}",
-                  "-" if r.new_bytes is None else f"{r.new_bytes / 2**20:.1f}",
+                  mib_text(r.old_bytes), mib_text(r.new_bytes),
                   _ratio_text(r.memory_ratio, r.memory_verdict)] for r in rows]
         lines.append(tabulate(table, headers=["phase", "B", "T", "variant", "old ms", "new ms", "time",
                                               "old MiB", "new MiB", "memory"]))

@@ -25,7 +25,7 @@ from .breakdown import top
 from .plots import plot
 
 __all__ = ["BREAKDOWN_HEADERS", "REPORT_SCHEMA", "SCHEMA_VERSION", "TABLE_HEADERS", "breakdown_rows", "breakdown_table",
-           "ms_text", "plot", "rate_text", "summarize", "table", "table_rows", "write_json"]
+           "mib_text", "ms_text", "plot", "rate_text", "summarize", "table", "table_rows", "write_json"]
 
 SCHEMA_VERSION = 1
 
@@ -203,10 +203,10 @@ def _kv_lines(records: list[dict[str, Any]], kv_budget: int | None) -> list[str]
     r = max(served, key=lambda r: (r["seq_len"], r["batch_size"]))
     per, positions = r["kv_bytes_per_token"], r["seq_len"] + 1
     line = (f"decode, B={r['batch_size']}, T={r['seq_len']}: the KV cache holds {per} B per position per "
-            f"sequence, {_mib(per * positions)} MiB per sequence of {positions} positions, "
-            f"{_mib(r['kv_context_bytes'])} MiB for the batch")
+            f"sequence, {mib_text(per * positions)} MiB per sequence of {positions} positions, "
+            f"{mib_text(r['kv_context_bytes'])} MiB for the batch")
     if kv_budget:
-        line += (f"; in a KV budget of {_mib(kv_budget)} MiB, {kv_budget // (per * positions)} concurrent "
+        line += (f"; in a KV budget of {mib_text(kv_budget)} MiB, {kv_budget // (per * positions)} concurrent "
                  f"sequence(s) of {positions} positions fit")
     return [line + "."]
 
@@ -227,7 +227,8 @@ def ms_text(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.2f}"
 
 
-def _mib(b: int | None) -> str:
+def mib_text(b: int | None) -> str:
+    """Bytes as MiB: one decimal from 1 MiB, two significant digits below, ``-`` for None."""
     if b is None:
         return "-"
     mib = b / 2**20
@@ -274,7 +275,7 @@ def table_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
         rows.append([
             r["batch_size"], r["seq_len"], r["phase"] + (f" ({r['decode_method']})" if r["decode_method"] else ""),
             r["variant"], "ok", ms_text(r["forward_s"]), ms_text(r["attention_s"]),
-            "-" if share is None else f"{100 * share:.0f}%", _mib(r["peak_bytes"]), _peak_op(r),
+            "-" if share is None else f"{100 * share:.0f}%", mib_text(r["peak_bytes"]), _peak_op(r),
             "-" if flops is None else f"{flops / 1e9:.1f} ({100 * roof:.0f}%)",
             "n/a" if r["idle_gap_s"] is None else f"{100 * r['idle_gap_share']:.0f}%",
             "" if r["variant"] == "eager" else
@@ -332,7 +333,7 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None,
                          f"{ms_text(base['forward_s'])} ms per step "
                          f"({100 * base['backward_s'] / base['forward_s']:.0f}%).")
         if base["peak_bytes"] is not None:
-            lines.append(f"{point}: the {base['variant']} peak is {_mib(base['peak_bytes'])} MiB, "
+            lines.append(f"{point}: the {base['variant']} peak is {mib_text(base['peak_bytes'])} MiB, "
                          f"reached{_where(base)}.")
         for name, r in at.items():
             if r is base:
@@ -343,9 +344,10 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None,
                              f"{peak:.1f}x lower" if peak >= 1 else f"{1 / peak:.1f}x higher")
                 speed_text = f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
                 lines.append(f"{point}: {name} ({_changed(r)}) is {speed_text} than eager, peak {peak_text} "
-                             f"({_mib(r['peak_bytes'])} MiB{_where(r)}).")
+                             f"({mib_text(r['peak_bytes'])} MiB{_where(r)}).")
             else:
-                lines.append(f"{point}: {name} takes {ms_text(r['forward_s'])} ms, peak {_mib(r['peak_bytes'])} MiB.")
+                lines.append(f"{point}: {name} takes {ms_text(r['forward_s'])} ms, "
+                             f"peak {mib_text(r['peak_bytes'])} MiB.")
         lines += [f"{point}: {name}'s time goes to {text}." for name, r in at.items() if (text := _goes_to(r))]
         longest = max((s["seq_len"] for s in sweeps if s["phase"] == phase), default=None)
         lines += [_sweep_line(s, memory_budget) for s in sweeps if (s["phase"], s["seq_len"]) == (phase, longest)]
@@ -418,9 +420,13 @@ def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
                 f"failure and within the budget; it needs two)")
     elif s["still_growing"]:
         before = s["candidates"][-2]
-        text = (f"{point}: throughput still grows at the largest batch size, B={spot} "
-                f"({rate_text(by[spot][0])} tokens/s, {ms_text(by[spot][1])} ms per call; "
-                f"{_growth(by[before][2])} per doubling from B={before}): try larger batch sizes")
+        bound = spot < max(s["batch_sizes"])  # the larger ones failed or exceed the budget
+        text = (f"{point}: throughput still grows at "
+                + (f"B={spot}, the largest batch size that runs within the budget" if bound else
+                   f"the largest batch size, B={spot}")
+                + f" ({rate_text(by[spot][0])} tokens/s, {ms_text(by[spot][1])} ms per call; "
+                f"{_growth(by[before][2])} per doubling from B={before})"
+                + ("" if bound else ": try larger batch sizes"))
     else:
         after = s["candidates"][s["candidates"].index(spot) + 1]
         spreads = [by[b][3] for b in (spot, after)]
@@ -433,10 +439,10 @@ def _sweep_line(s: dict[str, Any], memory_budget: int | None) -> str:
         text += f"; B={f['batch_size']} is the first to fail ({f['status']}: {_shorten(f['error'] or '', 80)})"
     if s["first_over_budget"] is not None:
         o = s["first_over_budget"]
-        text += (f"; B={o['batch_size']} is the first above the memory budget ({_mib(o['memory_bytes'])} of "
-                 f"{_mib(o['budget'])} MiB)")
+        text += (f"; B={o['batch_size']} is the first above the memory budget ({mib_text(o['memory_bytes'])} of "
+                 f"{mib_text(o['budget'])} MiB)")
     elif memory_budget is not None and s["first_failure"] is None:
-        text += f"; every batch size fits the memory budget of {_mib(memory_budget)} MiB"
+        text += f"; every batch size fits the memory budget of {mib_text(memory_budget)} MiB"
     return text + "."
 
 
