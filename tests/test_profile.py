@@ -117,9 +117,9 @@ def test_cli_nanogpt_writes_valid_report_plots_table_and_summary(tmp_path, capsy
     # x (32 + 32) head dims
     assert eager["attention_flops"] == sdpa["attention_flops"] == 4 * 2 * (4 * 136) * 64
     assert sdpa["speedup_vs_eager"] == pytest.approx(eager["forward_s"] / sdpa["forward_s"])
-    for name in ("time_vs_seq_len.png", "peak_memory_vs_seq_len.png", "attention_share.png", "breakdown.png"):
-        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(report["plots"]) == 4  # one batch size, no KV cache: no batch_size.png, no kv_cache.png
+    # one sequence length (no curves over it), one batch size (no batch_size.png), no KV cache (no kv_cache.png)
+    assert report["plots"] == [str(out / "breakdown.png")]
+    assert (out / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| variant" in printed and "peak MiB" in printed  # the table
     assert "attention is" in printed and "than eager" in printed  # the summary in words
     assert report["summary"] and all(line in printed for line in report["summary"])
@@ -132,6 +132,8 @@ def test_api_on_a_user_file_factory(factory, tmp_path):
     report = profile(f"{factory}:build", batch_sizes=(2,), seq_lens=(8, 16), variants=("eager", "math"),
                      trace=True, out=out, **FAST)
     assert report == _read_report(out)  # the API returns what report.json holds
+    for name in ("time_vs_seq_len.png", "peak_memory_vs_seq_len.png", "attention_share.png", "breakdown.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(out / name) in report["plots"]
     assert [(r["seq_len"], r["variant"]) for r in report["records"]] == [
         (8, "eager"), (8, "math"), (16, "eager"), (16, "math")]
     for r in report["records"]:

@@ -1,7 +1,8 @@
 """The PNG plots of ``attnopt profile``: curves over the sweep, the time breakdown, batch size, KV cache, memory.
 
 * :func:`plot`: ``time_vs_seq_len.png``, ``peak_memory_vs_seq_len.png``, ``attention_share.png``
-  (one line per variant and batch size, one panel per phase), ``breakdown.png`` (one row per
+  (one line per variant and batch size, one panel per phase; with two or more sequence lengths),
+  ``breakdown.png`` (one row per
   point, a stacked bar per variant: its ops' self times, attention hatched, then the rest),
   ``batch_size.png`` (throughput and latency against batch size, the sweet spot starred) when
   two or more batch sizes were swept, ``kv_cache.png`` (cache bytes against context length per
@@ -49,7 +50,8 @@ def plot(records: list[dict[str, Any]], out: Path, sweeps: Sequence[dict[str, An
     if not ok:
         return [], "plots skipped: no measurement succeeded"
     out.mkdir(parents=True, exist_ok=True)
-    written = _curves(records, ok, out)
+    # curves over the sequence length need two of them; batch_size.png draws a single length's points
+    written = _curves(records, ok, out) if len({r["seq_len"] for r in ok}) > 1 else []
     for path in (_breakdown(ok, out / "breakdown.png"), _batch(records, sweeps, out / "batch_size.png"),
                  _kv(ok, out / "kv_cache.png", kv_budget)):
         if path is not None:
