@@ -235,3 +235,25 @@ def test_probabilities_zeroed_elsewhere_are_left_alone() -> None:
     torch.testing.assert_close(opt(q, k, v, pad, drop), model(q, k, v, pad, drop))
     (record,) = attnopt.explain(opt).records
     assert record.decision == "left alone" and "zeroed" in record.reason, record.reason
+
+
+def test_keep_factor_from_a_call_input_or_after_a_mask_is_left_alone() -> None:
+    def from_input(self, q, k, v, m):  # 0/1 on the first call, soft on the next: no proof to carry over
+        return torch.softmax((q @ k.transpose(-2, -1)) * m + -1e9 * (1 - m), dim=-1) @ v
+
+    def after_pad(self, q, k, v, pad):  # -inf * 0 is NaN as written where the factor is 0
+        w = q @ k.transpose(-2, -1) / D ** 0.5 + pad
+        b = self.bias[:, :, : w.size(-2), : w.size(-1)]
+        return torch.softmax(w * b + torch.finfo(torch.float32).min * (1 - b), dim=-1) @ v
+
+    q, k, v = _qkv()
+    tril = _tril()
+    pad = torch.zeros(2, 1, 1, T)
+    pad[-1, ..., : T // 2] = float("-inf")
+    for model, calls, words in ((Fn(from_input), [(tril,), (tril * 0.5 + 0.25,)], "0 and 1"),
+                                (Fn(after_pad, buffers={"bias": _tril()}), [(pad,)], "after another mask")):
+        opt = attnopt.optimize(model, variant="sdpa")
+        for extra in calls:
+            torch.testing.assert_close(opt(q, k, v, *extra), model(q, k, v, *extra), equal_nan=True)
+        (record,) = attnopt.explain(opt).records
+        assert record.decision == "left alone" and words in record.reason, record.reason

@@ -9,7 +9,7 @@ import transformers  # part of the dev extra
 from support import Fn
 
 import attnopt
-from attnopt.passes.rewrite_sdpa import sink_mask, sink_operands
+from attnopt.passes.rewrite_sdpa import sink_operands
 
 B, H, HKV, T, D = 2, 4, 2, 8, 16
 MIN = torch.finfo(torch.float32).min
@@ -120,14 +120,73 @@ def test_sinks_that_cannot_be_one_more_key_are_left_alone() -> None:
 
 def test_sink_helpers_widen_to_a_multiple_of_eight() -> None:
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 6)
-    qa, ka, va = sink_operands(q, k, v, torch.randn(1, 2, 3, 1), 0.25)
+    qa, ka, va, keep = sink_operands(q, k, v, torch.randn(1, 2, 3, 1), 0.25, causal=True)
     assert qa.shape == (1, 2, 3, 16) and ka.shape == (1, 2, 6, 16) and va.shape == (1, 2, 6, 6)
     assert bool((va[..., -1, :] == 0).all()) and bool((ka[..., :-1, 8:] == 0).all())
-    keep = sink_mask(None, q, k, causal=True)
     assert keep.shape == (3, 6) and bool(keep[:, -1].all()) and not bool(keep[0, 1])
-    assert sink_mask(None, q, k, causal=False) is None
-    padded = sink_mask(torch.zeros(1, 1, 1, 5), q, k, causal=False)
-    assert padded.shape == (1, 1, 1, 6) and not padded.dtype == torch.bool
+    assert sink_operands(q, k, v, torch.randn(1, 2, 3, 1), 0.25)[3] is None
+    padded = sink_operands(q, k, v, torch.randn(1, 2, 3, 1), 0.25, torch.zeros(1, 1, 1, 5))[3]
+    assert padded.shape == (1, 1, 1, 6) and padded.dtype != torch.bool
+
+
+class _Sinks(torch.nn.Module):
+    def __init__(self, sinks: torch.Tensor):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(sinks)
+
+    def forward(self, q, k, v, mask=None):
+        w = q @ k.transpose(-2, -1) * 0.25
+        if mask is not None:
+            w = w + mask
+        c = torch.cat([w, self.sinks.reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)], dim=-1)
+        return torch.softmax(c, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("value", [float("-inf"), torch.finfo(torch.float32).min, -1e30])
+def test_sinks_that_hide_their_key_stay_finite(value: float) -> None:
+    """A sink of -inf, or one whose quotient by the scale overflows, has weight 0: not a NaN row."""
+    model = _Sinks(torch.tensor([value, 0.5]))
+    opt = attnopt.optimize(model, variant="sdpa")
+    q, k, v = (torch.randn(2, 2, 4, 16) for _ in range(3))
+    mask = torch.zeros(2, 1, 4, 4)
+    mask[1, ..., :2, :] = torch.finfo(torch.float32).min  # rows with every real key hidden too
+    for m in (None, mask):
+        out, ref = opt(q, k, v, m), model(q, k, v, m)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    report = attnopt.explain(opt)
+    assert report.records and all(r.rewritten for r in report.records), str(report)
+
+
+def test_sink_of_another_dtype_or_written_after_the_cat_is_left_alone() -> None:
+    class Wider(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sinks = torch.nn.Parameter(torch.tensor([64.24]))
+
+        def forward(self, q, k, v):
+            w = (q @ k.transpose(-2, -1)).float() * 0.25  # fp32 scores and sink, bf16 q and k
+            c = torch.cat([w, self.sinks.reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)], dim=-1)
+            return torch.softmax(c, dim=-1)[..., :-1].to(v.dtype) @ v
+
+    class Written(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, q, k, v):
+            sink = (q * self.w).sum(-1, keepdim=True)
+            c = torch.cat([q @ k.transpose(-2, -1) * 0.25, sink], dim=-1)
+            sink.zero_()  # after the concatenation read it
+            return torch.softmax(c, dim=-1)[..., :-1] @ v
+
+    for model, dtype, words in ((Wider(), torch.bfloat16, "rounded"), (Written(), torch.float32, "sink")):
+        opt = attnopt.optimize(model, variant="sdpa")
+        q, k, v = (torch.randn(1, 1, 3, 16, dtype=dtype) for _ in range(3))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(q, k, v), model(q, k, v))
+        (record,) = attnopt.explain(opt).records
+        assert record.decision == "left alone" and words in record.reason, record.reason
 
 
 def test_hf_gpt_oss_with_and_without_padding() -> None:

@@ -1013,6 +1013,18 @@ def aliases(user: fx.Node) -> bool:
     return isinstance(first, fx.Node) and may_alias(user, first)
 
 
+def is_call_input(node: fx.Node) -> bool:
+    """``node`` is an argument of the user's ``forward``, not module state (a parameter, buffer or attribute).
+
+    ``get_attr`` nodes are module state; so are dynamo's placeholders for ``self``'s tensors, whose
+    targets dynamo derives from their source (``L['self']._buffers['bias']`` -> ``L_self_buffers_bias_``)
+    and for globals (``G_...``). Every other placeholder is a call input.
+    """
+    if node.op != "placeholder":
+        return False
+    return not str(node.target).startswith(("L_self_", "G_"))
+
+
 def mutated(node: Any, depth: int = 8) -> bool:
     """``node``'s tensor (or a view of it) is written in place somewhere in the graph.
 

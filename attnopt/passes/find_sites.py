@@ -822,6 +822,10 @@ def _scale_mods_masks(st: _Partial) -> None:
         elif kind == "mod":
             _add_mod(st, payload)
         elif kind == "mask":
+            if isinstance(payload, Fill) and payload.binary and st.masks:
+                # an earlier mask may hold -inf, and `-inf * 0` is NaN as written where the factor is 0
+                raise NearMiss("the scores are blended with a 0/1 factor (`w * m + c * (1 - m)`) after another mask; "
+                               "the blend is read as a fill only on the scores themselves")
             st.masks.append(payload)
             st.mask_layouts.append(layout)
         elif kind == "scale":
@@ -1132,9 +1136,9 @@ def _same_expression(a: Any, b: Any, depth: int = 6) -> bool:
 
 
 def _sink_rule(st: _Partial) -> None:
-    """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): the sink's
-    column is ``scale * (sink / scale)``, so in half types the scale is a number and a power of two (that
-    quotient is then exact); no score modifier (it would change the sink's column too), no finite fill, and
+    """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): q is scaled
+    before the site, so in half types the scale is a number and a power of two (that product is then exact);
+    the sink has q's dtype; no score modifier (it would change the sink's column too), no finite fill, and
     the site's own layout (no views of the scores, ``P @ V`` as written)."""
     if st.sink is None:
         return
@@ -1143,12 +1147,15 @@ def _sink_rule(st: _Partial) -> None:
     if st.score_mod is not None:
         why = f"a score modifier ({st.score_mod.describe()}) is applied to the scores"
     elif (st.scale_tensors or st.scale_nodes) and st.q_dtype in (torch.float16, torch.bfloat16):
-        why = f"in {st.q_dtype} the scale is a tensor or a run-time number (the sink's column would be rounded)"
+        why = (f"in {st.q_dtype} the scale is a tensor or a run-time number (q scaled before the site would be "
+               "rounded)")
     elif st.scale == 0.0:
         why = "the scale is zero"
     elif st.q_dtype in (torch.float16, torch.bfloat16) and math.frexp(abs(st.scale))[0] != 0.5:
-        why = (f"in {st.q_dtype} the sink's column would be rounded (the scale {st.scale:g} is no power of two: "
-               "head dims 4, 16, 64 and 256 give one)")
+        why = (f"in {st.q_dtype} q scaled before the site would be rounded (the scale {st.scale:g} is no power of "
+               "two: head dims 4, 16, 64 and 256 give one)")
+    elif dtype_of(st.sink) != st.q_dtype:
+        why = f"the sink is {dtype_of(st.sink)} and q, k are {st.q_dtype} (it would be rounded to theirs)"
     elif st.plan.bound_fill is not None:
         why = f"the mask fills a finite value ({st.plan.bound_fill:g})"
     elif st.views or st.v_transposed:
@@ -1362,6 +1369,8 @@ def _site_inputs(m: Match) -> list[tuple[fx.Node, str]]:
     named += [(n, "a buffer the causal proof read") for n in m.mask.guarded]
     named += [(n, "a mask term the proof assumes") for n, _ in m.mask.conditions]
     named += [(f, "the scale tensor") for f, _ in m.scale_tensors]
+    if m.sink is not None:
+        named.append((m.sink, "the attention sink"))
     named += [(f, "the run-time scale") for f, _ in m.scale_nodes]
     if m.dropout_p is not None:
         named.append((m.dropout_p, "the dropout probability"))

@@ -50,9 +50,8 @@ from ..env import strict_guards
 from ..runtime.guards import BufferGuard
 from ..runtime.site import GUARDED_ARGS_START, AttentionSite
 from ..spec import LEFT_ALONE, REWRITTEN, SiteRecord
-from .canon import meta_value
+from .canon import is_call_input, meta_value
 from .find_sites import Match, place_of
-from .rewrite_sdpa import is_call_input
 
 #: Higher-order ops whose body attnopt rewrites, and how ``explain()`` names them. Both call their body
 #: with the op's operands in order; checkpointing runs it under ``torch.utils.checkpoint``.

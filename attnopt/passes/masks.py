@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..kernels.bands import band_pattern
 from ..spec import Refusal
-from .canon import aliases, attr_value, convert_scalar, dtype_of, meta_value, mutated, read, shape_of
+from .canon import aliases, attr_value, convert_scalar, dtype_of, is_call_input, meta_value, mutated, read, shape_of
 
 
 @dataclass(frozen=True)
@@ -736,14 +736,17 @@ def plan_mask(terms: list[Any], tq: Any, tk: Any, score_dtype: torch.dtype | Non
             dt = dtype_of(f.cond)
             if dt is None or dt.is_complex or dt == torch.bool:
                 return f"the 0/1 keep factor has dtype {dt}"
+            reader = BandReader(root, concrete)
             try:
-                values = BandReader(root, concrete).band(f.cond).values
+                values = reader.band(f.cond).values
             except _Unknown:
                 values = ()
+            if any(is_call_input(n) for n in reader.guarded):
+                values = ()  # a call input holds other values on another call: no proof to carry over
             if not values or not all(isinstance(v, (bool, int, float)) and v in (0, 1) for v in values):
                 return (f"`scores * {f.cond.name} + c * (1 - {f.cond.name})` is a mask only where "
                         f"`{f.cond.name}` holds nothing but 0 and 1, which attnopt cannot prove at capture (it "
-                        "reads buffers and constants: a soft or run-time factor is left as written)")
+                        "reads buffers and constants, not call inputs: a soft or run-time factor is left as written)")
         elif dtype_of(f.cond) != torch.bool:
             return f"the mask condition has dtype {dtype_of(f.cond)}, not torch.bool"
     finite = [f for f in fills if neg_large(f.value, f.dtype or score_dtype) is None]

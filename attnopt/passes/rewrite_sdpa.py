@@ -26,7 +26,7 @@ import torch.fx as fx
 from ..runtime.guards import BufferGuard, ConditionGuard
 from ..runtime.site import AttentionSite, BoundedFillSite
 from ..spec import REWRITTEN
-from .canon import attr_value, dtype_of, is_zero_dim_tensor, meta_value, shape_of
+from .canon import attr_value, dtype_of, is_call_input, is_zero_dim_tensor, meta_value, shape_of
 from .find_sites import Match, SizeOf, reads_only_dtype, reads_only_shape
 from .masks import Add, Fill
 
@@ -75,47 +75,63 @@ def zero_hidden_rows(out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(hidden.all(-1, keepdim=True), 0.0)
 
 
-def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v with one more key whose score is the sink's logit in every row and whose value is zero.
+def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None = None, causal: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """q, k, v and the mask with one more key whose score is the sink's logit in every row and whose value is zero,
+    for a site that runs with ``scale=1`` (q comes back scaled).
 
     ``softmax([s, sink]) @ [v; 0]`` is the sink attention as written (the sink's probability multiplies
-    the zero value: dropping its column after the softmax). The head dim of q and k is widened to the next
-    multiple of 8 (fused kernels want one), by zeros except one column: q's holds ``sink / scale`` of its
-    row, k's is 1 at the new key and 0 at the others. So every real score is unchanged and the new key's is
-    ``scale * sink / scale``, and gradients reach q, k, v and the sink through autograd.
+    the zero value: dropping its column after the softmax). q is multiplied by the scale here (exact in half
+    types, where the scale is a power of two; one rounding in float32), and the head dim of q and k is
+    widened to the next multiple of 8 (fused kernels want one), by zeros except one column: q's holds its
+    row's sink, k's is 1 at the new key and 0 at the others. So every real score is unchanged, the new
+    key's is the sink itself (never divided, so never overflowing), and gradients reach q, k, v and the sink
+    through autograd. A row whose sink is ``-inf`` would turn its real scores into ``-inf * 0 = NaN``: there
+    the column holds 0 and the mask hides the new key instead (its weight is 0 either way). The mask keeps
+    the new key in every other row (``causal``: the top-left causal mask, built here, since ``is_causal``
+    would hide the new last key from all rows but the last).
 
     >>> q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     >>> sink = torch.randn(1, 2, 3, 1)
-    >>> qa, ka, va = sink_operands(q, k, v, sink, 0.5)
+    >>> qa, ka, va, mask = sink_operands(q, k, v, sink, 0.5)
     >>> s = torch.cat([q @ k.transpose(-2, -1) * 0.5, sink], -1)
-    >>> torch.allclose(torch.softmax(s, -1)[..., :-1] @ v, torch.softmax(qa @ ka.transpose(-2, -1) * 0.5, -1) @ va)
+    >>> torch.allclose(torch.softmax(s, -1)[..., :-1] @ v, torch.softmax(qa @ ka.transpose(-2, -1), -1) @ va)
     True
     """
     d = q.size(-1)
     pad = 8 - d % 8  # at least one column, for the sink
-    column = (sink / scale).to(q.dtype).expand(*q.shape[:-1], 1)
-    qa = torch.cat([q, column, q.new_zeros(*q.shape[:-1], pad - 1)], -1)
+    column = sink.expand(*q.shape[:-1], 1)
+    hide = torch.isneginf(column)
+    hiding = torch.compiler.is_compiling() or bool(hide.any())  # (a compiled graph cannot branch on values)
+    if hiding:
+        column = column.masked_fill(hide, 0.0)
+    qa = torch.cat([q * scale, column, q.new_zeros(*q.shape[:-1], pad - 1)], -1)
     ka = torch.cat([k, k.new_zeros(*k.shape[:-1], pad)], -1)
     key = k.new_zeros(*k.shape[:-2], 1, d + pad)
     key[..., d] = 1.0
     ka = torch.cat([ka, key], -2)
     va = torch.cat([v, v.new_zeros(*v.shape[:-2], 1, v.size(-1))], -2)
-    return qa, ka, va
+    return qa, ka, va, _sink_mask(mask, q, k, causal, hide if hiding else None)
 
 
-def sink_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor | None:
-    """The site's mask with the sink's key kept in every row (``causal``: the top-left causal mask, built here,
-    since ``is_causal`` would hide the new last key from all rows but the last)."""
+def _sink_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, causal: bool,
+               hide: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask over the real keys and the sink's: kept in every row, or hidden where ``hide`` (``[..., Tq, 1]``)."""
     if mask is None:
-        if not causal:
+        if not causal and hide is None:
             return None
-        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    mask = mask.expand(*mask.shape[:-1], k.size(-2))
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)
+        if causal:
+            mask = mask.tril()
+    lead = mask.shape[:-1] if hide is None else torch.broadcast_shapes(mask.shape[:-1], hide.shape[:-1])
+    mask = mask.expand(*lead, k.size(-2))
     if mask.dtype == torch.bool:
-        extra = torch.ones(mask.shape[:-1] + (1,), dtype=torch.bool, device=mask.device)
+        extra = torch.ones(lead + (1,), dtype=torch.bool, device=mask.device) if hide is None else \
+            (~hide).expand(*lead, 1)
     else:
-        extra = torch.zeros(mask.shape[:-1] + (1,), dtype=mask.dtype, device=mask.device)
+        extra = torch.zeros(lead + (1,), dtype=mask.dtype, device=mask.device) if hide is None else \
+            torch.zeros((), dtype=mask.dtype, device=mask.device).masked_fill(hide, float("-inf")).expand(*lead, 1)
     return torch.cat([mask, extra], -1)
 
 
@@ -172,18 +188,6 @@ def _emit_filled(graph: fx.Graph, m: Match) -> fx.Node | None:
         cond = cond if not t.keep_when_true else graph.call_function(torch.logical_not, (cond,))
         out = cond if out is None else graph.call_function(torch.logical_or, (out, cond))
     return out
-
-
-def is_call_input(node: fx.Node) -> bool:
-    """``node`` is an argument of the user's ``forward``, not module state (a parameter, buffer or attribute).
-
-    ``get_attr`` nodes are module state; so are dynamo's placeholders for ``self``'s tensors, whose
-    targets dynamo derives from their source (``L['self']._buffers['bias']`` -> ``L_self_buffers_bias_``)
-    and for globals (``G_...``). Every other placeholder is a call input.
-    """
-    if node.op != "placeholder":
-        return False
-    return not str(node.target).startswith(("L_self_", "G_"))
 
 
 def scaled_mask(mask: torch.Tensor, factor: float) -> torch.Tensor:
@@ -251,10 +255,10 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 if scale_tensor is not None:  # folded into q here, so that the sink's column is not scaled
                     q, scale_tensor = graph.call_function(operator.mul, (q, scale_tensor)), None
                 structural = m.mask.causal == "top_left" and mask is None
-                mask = graph.call_function(sink_mask, (mask, q, k, structural))
                 widened = graph.call_function(sink_operands, (q, k, v, m.sink, m.spec.scale if scale is None
-                                                              else scale))
-                q, k, v = (graph.call_function(operator.getitem, (widened, i)) for i in range(3))
+                                                              else scale, mask, structural))
+                q, k, v, mask = (graph.call_function(operator.getitem, (widened, i)) for i in range(4))
+                scale = 1.0  # q comes back scaled
             name = f"attnopt_{m.record.name}"
             while hasattr(gm, name):
                 name += "_"
