@@ -39,8 +39,15 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"graphs": self.graphs, "rewritten": self.rewritten, "failures": list(self.failures),
-                "records": [{**r.as_dict(), "tuning": {k: e.to_dict() for k, e in r.extra.get("tuning", {}).items()}}
+                "records": [{**r.as_dict(), "tuning": {k: e.to_dict() for k, e in r.extra.get("tuning", {}).items()},
+                             "fallbacks": dict(r.extra.get("fallbacks", {}))}
                             for r in self.records]}
+
+    @property
+    def falling_back(self) -> list[SiteRecord]:
+        """Rewritten sites that ran some calls as written (or by a replacement) at run time: ``extra["fallbacks"]``
+        counts those calls per reason."""
+        return [r for r in self.records if r.decision == REWRITTEN and r.extra.get("fallbacks")]
 
     def table(self) -> str:
         from tabulate import tabulate
@@ -49,6 +56,8 @@ class Report:
         for r in self.records:
             where = " ".join(x for x in (r.module_path, f"({r.source})" if r.source else "") if x)
             what = f"-> {r.rewrite}: {r.reason}" if r.decision == REWRITTEN else r.reason
+            if r.decision == REWRITTEN and r.extra.get("fallbacks"):
+                what += "; at run time " + fallbacks_text(r.extra["fallbacks"])
             name = f"g{r.graph_id}.{r.name}" if self.graphs > 1 else r.name
             rows.append([name, where or "-", " ".join(r.spelling), r.decision, what])
         return tabulate(rows, headers=["site", "where", "spelling recognised", "decision", "details"],
@@ -77,6 +86,11 @@ class Report:
     def __str__(self) -> str:
         head = (f"attnopt: {self.rewritten} of {len(self.sites)} attention site(s) rewritten "
                 f"in {self.graphs} captured graph(s)")
+        back = self.falling_back
+        if back:
+            calls = sum(n for r in back for n in r.extra["fallbacks"].values())
+            head += (f"; at run time {len(back)} of them ran {calls} call(s) as written (wholly or in part) or by "
+                     "a replacement (see details)")
         lines = [head]
         if self.records:
             lines += ["", self.table()]
@@ -91,3 +105,9 @@ class Report:
 
     def __repr__(self) -> str:
         return f"Report(rewritten={self.rewritten}, sites={len(self.sites)}, graphs={self.graphs})"
+
+
+def fallbacks_text(counts: dict[str, int]) -> str:
+    """``{"rows ...: the call as written": 3}`` as ``"3 call(s): rows ...: the call as written"``, most first."""
+    return "; ".join(f"{n} call(s): {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+

@@ -7,10 +7,10 @@ brings its call to the candidates' layout (:func:`candidate_layout`) and its key
 :meth:`DispatchingSite.run_candidate`, which, per call, in order:
 
 1. **chooses** the candidate: the fixed one, or for ``candidate="auto"`` the selector's choice for
-   the call's shape key (tuned on the first call in each bucket, then one dictionary lookup in a
-   table keyed by the exact call; a tuning that raises runs ``sdpa`` or ``math`` for that call, with a
-   warning). The timings that chose it are kept in ``site.tuning`` and in the site's record for
-   ``explain()``. While traced (``compile=True``) the choice of the site's most recent eager call;
+   the call's shape key (tuned on the first call in each bucket; a tuning that raises runs ``sdpa`` or
+   ``math`` for that call, with a warning). The timings that chose it are kept in ``site.tuning`` and in
+   the site's record for ``explain()``. While traced (``compile=True``) the choice of the site's most
+   recent eager call;
 2. runs ``math`` instead of a candidate that has raised at this site before;
 3. inside a compiled graph, runs what the checked eager call of that candidate ran, and stops here;
 4. runs ``math`` for calls with active dropout and gradients (its dropout mask lives in its own
@@ -24,6 +24,11 @@ brings its call to the candidates' layout (:func:`candidate_layout`) and its key
    (its backward is the candidate's own unless autograd asks for a graph of the backward, where the
    reference is recomputed differentiably) unless the candidate is differentiable twice itself;
    a candidate that raises is replaced by ``math`` for this call and every later one, with a warning.
+
+Steps 1, 2, 4 and 5 depend on the call's signature alone (shapes, dtype, device, the mask's dtype and
+shape, causal, dropout, gradients), so their outcome is kept per exact signature (a :class:`_Plan`):
+every later call of that signature costs one tuple and one dictionary lookup, and every new signature
+goes through the selector and the per-key check.
 
 >>> import torch
 >>> from attnopt.spec import AttentionSpec
@@ -42,7 +47,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -81,6 +86,17 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+class _Plan(NamedTuple):
+    """What every call of one signature runs, decided on its first call (steps 1-5)."""
+
+    choice: str  # the fixed candidate or the selector's choice
+    asked: str  # what runs unless its check replaced it: ``math`` for a candidate that raised here, or with dropout
+    name: str  # what runs: ``asked``, or its replacement after the per-key check
+    fn: Any  # the registered candidate ``name``
+    wrapped: bool  # run inside ``recomputable`` (gradients, by a candidate not differentiable twice)
+    fallback: str | None  # why ``name`` is not ``choice`` (counted per call in ``site.fallbacks``), or None
+
+
 class DispatchingSite(nn.Module):
     """A site that runs each call with its candidate, chosen and checked per shape key (see the module docstring).
 
@@ -106,84 +122,134 @@ class DispatchingSite(nn.Module):
         self.tuning: dict[Any, Any] = {}  # ShapeKey -> TuningEntry
         self.tuning_run = False  # the backend's eager run before Inductor traces (is_compiling() is True there)
         self._failed: set[str] = set()  # candidates that raised here; this site runs math instead of them
-        self._by_call: dict[tuple, str] = {}  # exact call signature -> choice (the per-call fast path)
-        self._last: str | None = None
         self._checked: dict[tuple, str] = {}  # (candidate, ShapeKey) -> what runs: it, or its replacement
-        self._served: dict[tuple, str] = {}  # exact call signature -> what runs (the per-call fast path)
-        self._ran: dict[str, str] = {}  # candidate -> what its last checked eager call ran (used while tracing)
+        #: exact call signature -> _Plan: the per-call fast path (one tuple and one lookup per call); cleared
+        #: whenever what it caches may change (a candidate raised, the selector's choices were forgotten)
+        self._plans: dict[tuple, _Plan] = {}
+        #: what the most recent eager call chose ("choice") and, per candidate, what its checked eager call
+        #: ran: a traced call (compile=True) runs that (plain dicts: written on every call, cheaply)
+        self._recent: dict[str, str] = {}
+        self._ran: dict[str, str] = {}
+        #: calls that ran as written or by a replacement, per reason (also the record's ``extra["fallbacks"]``)
+        self.fallbacks: dict[str, int] = {}
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
         if selector is not None:
             selector.register(self)
 
+    def count_fallback(self, reason: str) -> None:
+        """One more call of this site ran as written (or by a replacement) for ``reason``; ``explain()`` shows it."""
+        counts = self.fallbacks
+        counts[reason] = counts.get(reason, 0) + 1
+        if self.record is not None and self.record.extra.get("fallbacks") is not counts:
+            self.record.extra["fallbacks"] = counts
+
     def forget_choices(self) -> None:
         """Ask the selector again on the next call (after it adopted another rank's choices)."""
         self.tuning.clear()
-        self._by_call.clear()
+        self._plans.clear()
         if self.record is not None:
             self.record.extra.pop("tuning", None)
 
-    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, *,
+                      grad: bool | None = None, tracing: bool | None = None) -> torch.Tensor:
         """The call's output from its candidate, chosen, checked and with fallbacks (steps 1-6 above).
 
         q, k, v: 4-D, as :func:`candidate_layout` gives them; ``kwargs``: the candidates' keyword arguments,
-        at least ``attn_mask``, ``is_causal``, ``scale``, ``dropout_p`` and ``enable_gqa``.
+        at least ``attn_mask``, ``is_causal``, ``scale``, ``dropout_p`` and ``enable_gqa``. ``grad``
+        (``needs_grad(q, k, v, kwargs["attn_mask"])``) and ``tracing`` (``is_tracing(q)``) may be passed by a
+        caller that has them already.
+
+        Everything steps 1-5 decide depends on the call's signature only (shapes, dtype, device, the mask's
+        dtype and shape, causal, dropout, gradients): after the first call of a signature it is one tuple and
+        one dictionary lookup (:class:`_Plan`). The first call of each signature goes the whole way (the
+        selector's table, the per-key check), so a new shape, dtype, device, grad mode or mask dtype is
+        always chosen and checked.
         """
-        name = self._choice(q, k, v, kwargs)
-        if name in self._failed:
-            name = "math"
-        if is_tracing(q) and not self.tuning_run:
+        if tracing is None:
+            tracing = is_tracing(q)
+        if tracing and not self.tuning_run:
             # inside a compiled graph: what the checked eager run of this candidate ran
+            name = self.candidate if self.candidate != AUTO else self._recent.get("choice", "math")
+            if name in self._failed:
+                name = "math"
             return get_candidate(self._ran.get(name, name))(q, k, v, **kwargs)
-        grad = needs_grad(q, k, v, kwargs["attn_mask"])
-        if grad and kwargs["dropout_p"] > 0 and name not in _TWICE_DIFFERENTIABLE:
-            name = "math"  # its dropout mask is part of its own graph, so any backward (double too) is exact
-        name = self._served_by(name, q, k, v, kwargs, grad)
-        fn = get_candidate(name)
+        mask = kwargs["attn_mask"]
+        if grad is None:
+            grad = needs_grad(q, k, v, mask)
+        call = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else (mask.dtype, mask.shape),
+                kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
+        plan = self._plans.get(call)
+        if plan is None:
+            plan = self._plan(call, q, k, v, kwargs, grad)
+        self._recent["choice"] = plan.choice
+        self._ran[plan.asked] = plan.name
+        if plan.fallback is not None:
+            self.count_fallback(plan.fallback)
         try:
-            if grad and name not in _TWICE_DIFFERENTIABLE:
-                return recomputable(self, fn, q, k, v, kwargs)
-            return fn(q, k, v, **kwargs)
+            if plan.wrapped:
+                return recomputable(self, plan.fn, q, k, v, kwargs)
+            return plan.fn(q, k, v, **kwargs)
         except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
+            name = plan.name
             warnings.warn(f"attnopt: candidate {name!r} failed at {self.site_name} ({self.where}): "
                           f"{type(e).__name__}: {e}; running the reference computation instead", stacklevel=3)
             log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
             self._failed.add(name)
+            self._plans.clear()
+            self.count_fallback(f"{name} raised at this site: math")
             return get_candidate("math")(q, k, v, **kwargs)
+
+    def _plan(self, call: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+              grad: bool) -> _Plan:
+        """Steps 1-5 for a call signature not seen since the plans were last cleared; kept unless the
+        choice was a stand-in for one call (a tuning that raised)."""
+        choice, keep = self._choice(q, k, v, kwargs, grad)
+        name, why = choice, None
+        if choice in self._failed:
+            name, why = "math", f"{choice} raised at this site: math"
+        elif grad and kwargs["dropout_p"] > 0 and name not in _TWICE_DIFFERENTIABLE:
+            # its dropout mask is part of its own graph, so any backward (double too) is exact
+            name, why = "math", "dropout with gradients: math"
+        served = self._served_by(name, q, k, v, kwargs, grad)
+        if served in self._failed:  # the replacement of a rejected candidate raised here before
+            served, why = "math", f"{served} raised at this site: math"
+        elif served != name:
+            why = f"{name} does not match the reference for these shapes: {served}"
+        plan = _Plan(choice, name, served, get_candidate(served), grad and served not in _TWICE_DIFFERENTIABLE, why)
+        if keep:
+            if len(self._plans) > _TABLE_LIMIT:
+                self._plans.clear()
+            self._plans[call] = plan
+        return plan
 
     # ------------------------------------------------------------------ 1. the choice
 
-    def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> str:
+    def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+                grad: bool) -> tuple[str, bool]:
+        """The candidate chosen for this call, and whether it holds for every call of its signature."""
         if self.candidate != AUTO:
-            return self.candidate
-        if self.selector is None or (is_tracing(q) and not self.tuning_run):
-            return self._last or "math"
+            return self.candidate, True
+        if self.selector is None:
+            return self._recent.get("choice", "math"), False  # optimize() sets the selector after building the site
         mask = kwargs["attn_mask"]
-        grad = needs_grad(q, k, v, mask)
-        fast = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else mask.dtype,
-                kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
-        choice = self._by_call.get(fast)
-        if choice is None:
-            key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
-                            dropout=kwargs["dropout_p"] > 0, grad=grad)
-            entry = self.tuning.get(key)
-            if entry is None:
-                try:
-                    with apart(q.device):  # the tuning's own calls are not the model's
-                        entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
-                except Exception as e:  # noqa: BLE001 - tuning is an optimisation; never break the forward
-                    fallback = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
-                    warnings.warn(f"attnopt: could not tune {self.site_name} ({self.where}) for {key.describe()}: "
-                                  f"{type(e).__name__}: {e}; running {fallback} for this call", stacklevel=4)
-                    return fallback
-                self.tuning[key] = entry
-                if self.record is not None:
-                    self.record.extra.setdefault("tuning", {})[key.describe()] = entry
-            if len(self._by_call) > _TABLE_LIMIT:
-                self._by_call.clear()
-            choice = self._by_call[fast] = entry.choice
-        self._last = choice
-        return choice
+        key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                        dropout=kwargs["dropout_p"] > 0, grad=grad)
+        entry = self.tuning.get(key)
+        if entry is None:
+            try:
+                with apart(q.device):  # the tuning's own calls are not the model's
+                    entry = self.selector.choose(self.spec, key, Call(q, k, v, kwargs, grad))
+            except Exception as e:  # noqa: BLE001 - tuning is an optimisation; never break the forward
+                fallback = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
+                warnings.warn(f"attnopt: could not tune {self.site_name} ({self.where}) for {key.describe()}: "
+                              f"{type(e).__name__}: {e}; running {fallback} for this call", stacklevel=5)
+                self.count_fallback(f"the tuning raised: {fallback}")
+                return fallback, False
+            self.tuning[key] = entry
+            if self.record is not None:
+                self.record.extra.setdefault("tuning", {})[key.describe()] = entry
+        return entry.choice, True
 
     # ------------------------------------------------------------------ 5. the per-key reference check
 
@@ -192,21 +258,12 @@ class DispatchingSite(nn.Module):
         """``name``, or what replaces it, once it matched the reference for this call's shape key."""
         if name == "math":
             return name
-        mask = kwargs["attn_mask"]
-        fast = (name, q.shape, k.shape, v.shape, q.dtype, q.device,
-                None if mask is None else (mask.dtype, mask.shape), kwargs["is_causal"], grad)
-        served = self._served.get(fast)
+        key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=kwargs["attn_mask"],
+                               dropout=kwargs["dropout_p"] > 0, grad=grad))
+        served = self._checked.get(key)
         if served is None:
-            key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
-                                   dropout=kwargs["dropout_p"] > 0, grad=grad))
-            served = self._checked.get(key)
-            if served is None:
-                with apart(q.device):  # the check's own calls are not the model's
-                    served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
-            if len(self._served) > _TABLE_LIMIT:
-                self._served.clear()
-            self._served[fast] = served
-        self._ran[name] = served
+            with apart(q.device):  # the check's own calls are not the model's
+                served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
         return served
 
     def _check(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,

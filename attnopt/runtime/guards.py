@@ -21,6 +21,11 @@ from ..env import strict_guards
 from ..kernels.bands import is_band
 
 
+def is_fake(t: object) -> bool:
+    """``t`` stands for a tensor while a graph is traced (a fake or functional tensor): it has no values."""
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
 def is_tracing(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or isinstance(t, (FakeTensor, FunctionalTensor))
 

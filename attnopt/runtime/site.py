@@ -13,16 +13,22 @@ run-time numbers). The module
 * applies dropout exactly when the original would (``nn.Dropout`` replaced: in training mode),
 * follows the mask values of each call for rows whose every key is hidden: NaN rows where every
   key was masked with ``-inf`` (the original's result) are restored; rows whose keys all hold a
-  large negative fill (the dtype's minimum, ``-1e9``, ``-1e4``: at most ``-SATURATED``) run the
-  computation as written (:meth:`AttentionSite._as_written`) whenever gradients or dropout are
-  involved, because fused backwards rebuild the probabilities from a log-sum-exp that has lost
-  ``log(Tk)`` next to such a fill, and because a dropped-out uniform row is random as written;
-  rows filled with the dtype's minimum by ``masked_fill`` alone are the mean of v otherwise,
-* runs the candidate inside a ``record_function("attnopt::<site>")`` range through the per-call
-  dispatch it shares with the KV-cache site (:class:`~attnopt.runtime.dispatch.DispatchingSite`):
-  the choice (fixed, or the selector's per shape key for ``candidate="auto"``), the check against
-  the reference computation per shape key, the autograd wrapper for gradients, and the fallback
-  to ``math`` when a candidate raises.
+  large negative fill (the dtype's minimum, ``-1e9``, ``-1e4``: at most ``-SATURATED``) are computed
+  as written (:meth:`AttentionSite._as_written`) whenever gradients or dropout are involved, because
+  fused backwards rebuild the probabilities from a log-sum-exp that has lost ``log(Tk)`` next to such
+  a fill, and because a dropped-out uniform row is random as written. With dropout the whole call
+  runs as written; with gradients the candidate runs every row and the first queries up to the last
+  such row run again as written, their rows taken where every key is hidden (a left-padded batch:
+  :meth:`AttentionSite._hidden_rows_as_written`), or the whole call as written when those reach past
+  half the queries. Rows filled with the dtype's minimum by ``masked_fill`` alone are the mean of v
+  otherwise,
+* runs the candidate through the per-call dispatch it shares with the KV-cache site
+  (:class:`~attnopt.runtime.dispatch.DispatchingSite`): the choice (fixed, or the selector's per shape
+  key for ``candidate="auto"``), the check against the reference computation per shape key, the
+  autograd wrapper for gradients, and the fallback to ``math`` when a candidate raises; inside a
+  ``record_function("attnopt::<site>")`` range while a profiler records (or a graph is traced),
+* counts the calls that ran as written, wholly or in part, or by a replacement, per reason, in
+  ``site.fallbacks`` (the record's ``extra["fallbacks"]``, which ``explain()`` shows).
 
 :class:`BoundedFillSite` is the site of a mask that fills a finite value (``masked_fill(m, -1e4)``):
 it hands the candidate the dtype's minimum only on calls where the fill provably carries no weight
@@ -39,14 +45,18 @@ from ..kernels.reference import reference_attention
 from ..kernels.registry import ScoreMod
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout, needs_grad
-from .guards import BufferGuard, ConditionGuard, is_tracing
+from .guards import BufferGuard, ConditionGuard, is_fake, is_tracing
+
+#: Whether a profiler records (``torch.profiler``, ``emit_itt``): the site's range is only opened then,
+#: or while traced (a compiled graph keeps the range it was traced with).
+_profiling = torch._C._autograd._profiler_enabled
 
 #: ``AttentionSite`` call arguments: (q, k, v, mask, scale, dropout_p, *guarded buffers).
 GUARDED_ARGS_START = 6
 
 #: A row of an additive mask whose every key is at most ``-SATURATED`` is "hidden by a large fill"
 #: (``-1e4``, ``-1e9``, the dtype's minimum): as written it is (close to) uniform, and fused
-#: backwards lose its ``1/Tk`` normalisation, so such calls run the computation as written.
+#: backwards lose its ``1/Tk`` normalisation, so with gradients such rows are computed as written.
 SATURATED = 1e3
 
 
@@ -73,11 +83,12 @@ class AttentionSite(DispatchingSite):
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
+        tracing = is_tracing(q)
         if scale_tensor is not None:
             # A 0-d tensor scale: folded into q where gradients must reach it, inside a compiled graph
             # and for float32/float64 q (one rounding, like the product's own); otherwise a half-type q is
             # not rounded again, and the kernel scales in its own precision, as the code as written does.
-            if is_tracing(q) or needs_grad(scale_tensor) or q.dtype in (torch.float32, torch.float64):
+            if tracing or needs_grad(scale_tensor) or q.dtype in (torch.float32, torch.float64):
                 q = q * scale_tensor
             else:
                 scale = scale * float(scale_tensor)
@@ -87,35 +98,47 @@ class AttentionSite(DispatchingSite):
             aligned = spec.causal == "top_left" or q.size(-2) == k.size(-2)
             # a top-left window keeps key i in row i only for rows i < Tk; later rows take the mask tensor
             whole = spec.window is None or q.size(-2) <= k.size(-2)
-            use_causal = aligned and whole and self._guards_hold(guarded)
-        dropout_active = spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training)
-        kwargs = dict(attn_mask=None if use_causal else mask, is_causal=use_causal, scale=scale,
+            use_causal = aligned and whole and self._guards_hold(guarded, tracing)
+        # dropout with p = 0 draws nothing (F.dropout is then the identity, exactly)
+        dropout_active = p > 0 and (spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training))
+        attn_mask = None if use_causal else mask
+        kwargs = dict(attn_mask=attn_mask, is_causal=use_causal, scale=scale,
                       dropout_p=p if dropout_active else 0.0, enable_gqa=spec.gqa)
         if use_causal and spec.window is not None:
             kwargs["window"] = spec.window
         if self.score_mod is not None:
             kwargs["score_mod"] = self.score_mod
-        tracing = is_tracing(q) and not self.tuning_run
+        grad = needs_grad(q, k, v, attn_mask)
+        in_graph = tracing and not self.tuning_run  # traced into a compiled graph: the mask's values are unknown
         min_rows = None
         as_written = False
-        if spec.min_rows != "none" and not use_causal and mask is not None and mask.is_floating_point():
-            row_max = mask.amax(-1, keepdim=True)
-            min_rows = row_max <= torch.finfo(mask.dtype).min / 2  # every key holds the dtype's minimum
-            # Rows whose keys are all hidden by a large fill: computed as written when their
-            # gradients or a dropout draw matter (see the module docstring). Inside a compiled
-            # graph the mask's values are unknown, so there it is decided for every call alike.
-            grad = needs_grad(q, k, v, mask)
+        hidden: torch.Tensor | None = None
+        hidden_rows = 0
+        if spec.min_rows != "none" and attn_mask is not None and attn_mask.is_floating_point():
             if spec.min_rows == "mean":
-                as_written = dropout_active and (tracing or bool(min_rows.any()))
-            elif tracing:
-                as_written = grad or dropout_active
-            else:
-                as_written = (grad or dropout_active) and bool((row_max <= -SATURATED).any())
-        with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            if as_written:
-                out = self._as_written(q, k, v, kwargs, filled)
-            else:
-                out = self.run_candidate(q, k, v, kwargs)
+                min_rows = mask.amax(-1, keepdim=True) <= torch.finfo(mask.dtype).min / 2  # every key: the minimum
+                as_written = dropout_active and (in_graph or bool(min_rows.any()))
+                if as_written and not in_graph:
+                    self.count_fallback("rows with every key masked, with dropout: the call as written")
+            elif grad or dropout_active:
+                # Rows whose keys are all hidden by a large fill: computed as written when their
+                # gradients or a dropout draw matter (see the module docstring). Inside a compiled
+                # graph the mask's values are unknown, so there it is decided for every call alike.
+                if in_graph:
+                    as_written = True
+                else:
+                    hidden = mask.amax(-1, keepdim=True) <= -SATURATED  # (..., Tq, 1)
+                    hidden_rows = _rows_up_to_last(hidden, q.size(-2))  # 1 + the last such query
+                    if hidden_rows and (dropout_active or 2 * hidden_rows > q.size(-2)):
+                        as_written = True
+                        self.count_fallback("rows with every key hidden, with dropout: the call as written"
+                                            if dropout_active else "rows with every key hidden, with gradients, "
+                                            "past half the queries: the call as written")
+        if tracing or _profiling():
+            with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
+                out = self._run(q, k, v, kwargs, filled, grad, tracing, as_written, hidden, hidden_rows)
+        else:
+            out = self._run(q, k, v, kwargs, filled, grad, tracing, as_written, hidden, hidden_rows)
         if spec.min_rows == "mean" and min_rows is not None and not as_written:
             v_mean = v.mean(-2, keepdim=True)  # (B, Hkv, 1, Dv)
             if v_mean.size(-3) != out.size(-3):
@@ -132,6 +155,46 @@ class AttentionSite(DispatchingSite):
         if spec.out_dtype is not None and out.dtype != spec.out_dtype:
             out = out.to(spec.out_dtype)
         return out
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, filled: torch.Tensor | None,
+             grad: bool, tracing: bool, as_written: bool, hidden: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if as_written:
+            return self._as_written(q, k, v, kwargs, filled)
+        if rows:
+            assert hidden is not None
+            return self._hidden_rows_as_written(q, k, v, kwargs, filled, grad, tracing, hidden, rows)
+        return self.run_candidate(q, k, v, kwargs, grad=grad, tracing=tracing)
+
+    def _hidden_rows_as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+                                filled: torch.Tensor | None, grad: bool, tracing: bool, hidden: torch.Tensor,
+                                rows: int) -> torch.Tensor:
+        """The call with gradients where some query rows below ``rows`` have every key hidden by a large
+        fill (``hidden``, ``(..., Tq, 1)``; a left-padded batch): the candidate for every row, those rows as
+        written.
+
+        The candidate runs the whole call with the hidden rows' mask set to 0 (ordinary rows, whatever it
+        does with a row of fills), and ``_as_written`` runs the first ``rows`` queries (the mask and
+        ``filled`` cut along the query axis where they are not broadcast); ``torch.where`` takes the
+        written rows where every key is hidden. Gradients are exact: the rows ``torch.where`` does not
+        take receive a zero output gradient, and a zero output gradient contributes exactly zero to q, k,
+        v and the mask in a backward that is finite on ordinary rows (the per-key check has run the
+        candidate's backward on such rows) and in the written one.
+        """
+        mask = kwargs["attn_mask"]
+        self.count_fallback("rows with every key hidden, with gradients: the candidate, and those rows as written")
+        tq = q.size(-2)
+        out = self.run_candidate(q, k, v, dict(kwargs, attn_mask=mask.masked_fill(hidden, 0.0)), grad=grad,
+                                 tracing=tracing)
+
+        def head(t: torch.Tensor) -> torch.Tensor:  # the first ``rows`` queries of a mask-shaped tensor
+            return t[..., :rows, :] if t.dim() >= 2 and t.size(-2) == tq else t
+
+        if filled is not None and filled.dim() < 4:
+            filled = filled.reshape((1,) * (4 - filled.dim()) + tuple(filled.shape))
+        written = self._as_written(q[..., :rows, :], k, v, dict(kwargs, attn_mask=head(mask)),
+                                   None if filled is None else head(filled))
+        first = torch.where(head(hidden), written, out[..., :rows, :])
+        return torch.cat([first, out[..., rows:, :]], dim=-2)
 
     def _as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
                     filled: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,14 +224,25 @@ class AttentionSite(DispatchingSite):
         rest = {n: a for n, a in kwargs.items() if n not in ("attn_mask", "score_mod")}
         return reference_attention(q, k, v, attn_mask=None, score_mod=fill_as_written, **rest)
 
-    def _guards_hold(self, guarded: tuple[torch.Tensor, ...]) -> bool:
+    def _guards_hold(self, guarded: tuple[torch.Tensor, ...], tracing: bool) -> bool:
         if not self.guards:
             return True
-        if any(is_tracing(t) for t in guarded):
+        if tracing or any(is_fake(t) for t in guarded):
             # buffers are checked at the compiled graph's boundary instead; run-time terms cannot be
             # checked there, so a compiled graph passes the mask tensor
             return not any(isinstance(g, ConditionGuard) for g in self.guards)
-        return all(g.holds(t) for g, t in zip(self.guards, guarded))
+        for g, t in zip(self.guards, guarded):
+            if not g.holds(t):
+                return False
+        return True
+
+
+def _rows_up_to_last(rows: torch.Tensor, tq: int) -> int:
+    """1 + the largest query index whose row is set in ``rows`` (``(..., Tq, 1)`` or broadcast), 0 if none."""
+    if rows.dim() < 2 or rows.size(-2) != tq:  # one row for every query (a broadcast query axis)
+        return tq if bool(rows.any()) else 0
+    per_query = rows.reshape(-1, tq).any(0)  # (Tq,)
+    return int((per_query * torch.arange(1, tq + 1, device=rows.device)).max())
 
 
 class BoundedFillSite(AttentionSite):
@@ -182,11 +256,16 @@ class BoundedFillSite(AttentionSite):
     the mean of v either way (``AttentionSpec.min_rows == "mean"``).
     """
 
-    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, *,
+                      grad: bool | None = None, tracing: bool | None = None) -> torch.Tensor:
         fill = self.spec.fill_value
         assert fill is not None
-        if not is_tracing(q) and fill_is_negligible(q, k, kwargs["scale"], fill):
-            return super().run_candidate(q, k, v, kwargs)
+        if tracing is None:
+            tracing = is_tracing(q)
+        if not tracing and fill_is_negligible(q, k, kwargs["scale"], fill):
+            return super().run_candidate(q, k, v, kwargs, grad=grad, tracing=tracing)
+        if not tracing:
+            self.count_fallback(f"a fill of {fill:g} that may carry weight on this call: the call as written")
         return _filled_as_written(q, k, v, fill, **kwargs)
 
 
