@@ -38,10 +38,10 @@ h3 { font-size: 13px; margin: 10px 0 2px; color: var(--muted); text-transform: u
 ul.summary li { margin: 3px 0; }
 .scroll { overflow-x: auto; border: 1px solid var(--line); border-radius: 6px; }
 table { border-collapse: collapse; font-size: 12.5px; width: 100%; }
-th, td { padding: 4px 8px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
-th { background: var(--head); position: sticky; top: 0; white-space: nowrap; font-weight: 600; }
+th, td { padding: 4px 7px; border-bottom: 1px solid var(--line); text-align: left; vertical-align: top; }
+th { background: var(--head); position: sticky; top: 0; font-weight: 600; vertical-align: bottom; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-td.list { white-space: pre-line; min-width: 10em; overflow-wrap: anywhere; }
+td.list { white-space: pre-line; min-width: 10em; }
 tr:nth-child(even) td { background: #fbfcfd; }
 tr.failed td { background: #fff4f4; }
 td.status-ok { color: #1a7f37; }
@@ -81,8 +81,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], row_classes: S
         for h, v in zip(headers, row):
             if h == "status":
                 cells.append(f'<td class="status-{html.escape(str(v))}">{html.escape(str(v))}</td>')
-            elif h in lists:
-                cells.append(f'<td class="list">{html.escape(str(v).replace(", ", chr(10)))}</td>')
+            elif h in lists:  # one item a line; long op names may break after their underscores
+                items = html.escape(str(v).replace(", ", "\n")).replace("_", "_<wbr>")
+                cells.append(f'<td class="list">{items}</td>')
             else:
                 cells.append(_cell(v))
         body.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>" if cls else "<tr>" + "".join(cells) + "</tr>")
