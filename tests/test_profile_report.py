@@ -201,3 +201,28 @@ def test_the_cli_passes_the_new_options_and_prints_the_breakdown_table(sweep, tm
 def test_memory_timelines_need_a_folder():
     with pytest.raises(ValueError, match="memory_timeline=True writes PNGs under out"):
         profile("nanogpt", memory_timeline=True, progress=False)
+
+
+def test_run_time_fallbacks_of_each_point_are_recorded_and_summarised(monkeypatch):
+    from types import SimpleNamespace
+
+    import attnopt.api
+    import attnopt.profiling.run as run
+    from attnopt.profiling.report import summarize
+
+    why = "rows with every key hidden: the call as written"
+    counts: dict = {}  # the runtime's counter, over the model's life
+    record = SimpleNamespace(name="g0.site0", module_path="", source="", rewritten=True, extra={"fallbacks": counts})
+    monkeypatch.setattr(attnopt.api, "explain", lambda model: SimpleNamespace(records=[record]))
+    session = run._Session.__new__(run._Session)  # only what _new_fallbacks reads
+    session.models, session.fallbacks_seen = {"sdpa": object()}, {}
+    seen = []
+    for calls in (0, 3, 9, 9):  # the counter after each point
+        counts[why] = calls
+        seen.append(session._new_fallbacks("sdpa"))
+    assert seen == [{}, {"g0.site0": {why: 3}}, {"g0.site0": {why: 6}}, {}]  # each point's own calls
+    records = [_record("prefill", 1, t, "sdpa", forward_s=0.01, fallbacks=f) for t, f in ((8, seen[1]), (16, seen[2]))]
+    jsonschema.validate(records[0], REPORT_SCHEMA["properties"]["records"]["items"])
+    (line,) = [s for s in summarize(records) if "ran as written at run time" in s]
+    assert line.startswith("9 call(s) of rewritten sites ran as written at run time")
+    assert f"first: sdpa at B=1, T=8 prefill, g0.site0: 3 call(s): {why}" in line

@@ -140,6 +140,9 @@ RECORD_SCHEMA: dict[str, Any] = {
         "breakdown": BREAKDOWN_SCHEMA,
         # the point's memory timeline PNG (--memory-timeline)
         "memory_plot": _STR,
+        # calls at this point that a rewritten site ran as written (or by a replacement): site -> reason -> calls
+        "fallbacks": {"type": "object", "additionalProperties": {
+            "type": "object", "additionalProperties": {"type": "integer", "minimum": 1}}},
     },
 }
 
@@ -352,6 +355,16 @@ def summarize(records: list[dict[str, Any]], kv_budget: int | None = None,
         longest = max((s["seq_len"] for s in sweeps if s["phase"] == phase), default=None)
         lines += [_sweep_line(s, memory_budget) for s in sweeps if (s["phase"], s["seq_len"]) == (phase, longest)]
     lines += _kv_lines(records, kv_budget)
+    fell = [r for r in records if r.get("fallbacks")]
+    if fell:
+        calls = sum(n for r in fell for counts in r["fallbacks"].values() for n in counts.values())
+        first = fell[0]
+        site, counts = next(iter(first["fallbacks"].items()))
+        why, n = max(counts.items(), key=lambda kv: kv[1])
+        lines.append(f"{calls} call(s) of rewritten sites ran as written at run time (their times include those "
+                     f"calls), at {len(fell)} point(s) and variant(s); first: {first['variant']} at "
+                     f"B={first['batch_size']}, T={first['seq_len']} {first['phase']}, {site}: {n} call(s): "
+                     f"{_shorten(why, 100)}; report.json has them all.")
     failed = [r for r in records if r["status"] in ("oom", "error")]
     if failed:
         first = failed[0]

@@ -302,7 +302,7 @@ def _record(phase: str, b: int, t: int, variant: str, **fields: Any) -> dict[str
         "roofline_ratio": None, "idle_gap_s": None, "idle_gap_share": None, "idle_gap_note": None,
         "speedup_vs_eager": None, "peak_ratio_vs_eager": None, "trace": None, "memory_timeline": None,
         "forward_iqr_s": None, "kv_bytes_per_token": None, "kv_context_bytes": None,
-        "backward_s": None, "breakdown": None, "memory_plot": None,
+        "backward_s": None, "breakdown": None, "memory_plot": None, "fallbacks": {},
     }
     rec.update(fields)
     return rec
@@ -329,6 +329,7 @@ class _Session:
         self.cached: dict[str, Any] = {}  # variant -> CachedLM, built (captured) once per sweep, or why not
         self.memory_timeline = memory_timeline
         self.timelines: dict[str, Timeline] = {}  # variant -> live memory over one call, at the last point
+        self.fallbacks_seen: dict[str, dict[str, dict[str, int]]] = {}  # variant -> the counts after the last point
 
     # -- one point ---------------------------------------------------------------------------------------------
     def point(self, phase: str, b: int, t: int) -> list[dict[str, Any]]:
@@ -389,6 +390,9 @@ class _Session:
             except Exception as e:  # noqa: BLE001 - record it, keep sweeping
                 _failed(rec, e)
                 self._release()
+        for v, rec in records.items():
+            if v != "eager" and rec["decode_method"] != "kv_cache":
+                rec["fallbacks"] = self._new_fallbacks(v)
         eager = records.get("eager")
         for rec in records.values():
             if eager is not None and eager["status"] == "ok" and rec["status"] == "ok" and rec is not eager:
@@ -489,6 +493,30 @@ class _Session:
                 _failed(records[v], e)
                 del runners[v]
                 self._release()
+
+    def _new_fallbacks(self, variant: str) -> dict[str, dict[str, int]]:
+        """Calls of this point that a rewritten site ran as written (or by a replacement), per site and reason.
+
+        The runtime counts them over the model's life in each site record's ``extra["fallbacks"]``
+        (``attnopt.explain`` shows them); this is the growth since the variant's last point.
+        """
+        from ..api import explain
+
+        try:
+            records = explain(self.models[variant]).records
+        except Exception:  # noqa: BLE001 - a variant without a report has nothing to count
+            return {}
+        now: dict[str, dict[str, int]] = {}
+        for r in records:
+            counts = r.extra.get("fallbacks") if isinstance(getattr(r, "extra", None), dict) else None
+            if isinstance(counts, dict):
+                now[r.name] = {str(k): n for k, n in counts.items() if isinstance(n, int)}
+        before = self.fallbacks_seen.get(variant, {})
+        self.fallbacks_seen[variant] = now
+        grown = {site: {why: n - before.get(site, {}).get(why, 0) for why, n in counts.items()}
+                 for site, counts in now.items()}
+        return {site: {why: n for why, n in counts.items() if n > 0} for site, counts in grown.items()
+                if any(n > 0 for n in counts.values())}
 
     @staticmethod
     def _timed(rec: dict[str, Any], runner: Runner, seconds: float, samples: list[float]) -> None:
