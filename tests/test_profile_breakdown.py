@@ -149,3 +149,20 @@ def test_one_forward_range_is_required():
                                           ("torch::autograd::AccumulateGrad", False)])
 def test_what_counts_as_an_op(name, op):
     assert is_op(SimpleNamespace(name=name, is_user_annotation=name.startswith(RANGES))) is op
+
+
+def test_a_breakdown_that_cannot_be_read_leaves_the_times_and_says_why(monkeypatch):
+    import torch
+
+    import attnopt.profiling.measure as measure
+
+    runner = measure.make_runner(torch.relu, (torch.randn(64),), {}, torch.device("cpu"))
+    assert measure.profile_ranges(runner, torch.device("cpu"), calls=2).breakdown["calls"] == 2
+
+    def unreadable(events, device):
+        raise ValueError("expected one attnopt.profile::forward range in the profile, found 2")
+
+    monkeypatch.setattr(measure, "call_breakdown", unreadable)
+    with pytest.warns(UserWarning, match="no time breakdown for this point .ValueError: expected one"):
+        times = measure.profile_ranges(runner, torch.device("cpu"), calls=2)
+    assert times.breakdown is None and times.forward_s > 0

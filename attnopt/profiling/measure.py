@@ -40,6 +40,7 @@ import os
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,7 +219,13 @@ def profile_ranges(runner: Runner, device: torch.device, calls: int = 3) -> Rang
                     runner.run()  # synchronises inside the range, so it covers the device work
             events = prof.events()
             f, s, g = _read_ranges(events, device)
-            parts.append(call_breakdown(events, device.type))
+            if parts is not None:
+                try:
+                    parts.append(call_breakdown(events, device.type))
+                except Exception as e:  # noqa: BLE001 - the times stand without it; say why it is missing
+                    warnings.warn(f"attnopt profile: no time breakdown for this point ({type(e).__name__}: {e})",
+                                  stacklevel=2)
+                    parts = None
             forward.append(f)
             sites.append(s)
             if s:
@@ -234,7 +241,7 @@ def profile_ranges(runner: Runner, device: torch.device, calls: int = 3) -> Rang
         idle_gap_s=statistics.median(gaps) if gaps else None,
         idle_gap_share=statistics.median(gap_share) if gap_share else None,
         profiler=prof,
-        breakdown=average(parts, device.type, MODULES_NOTE),
+        breakdown=average(parts, device.type, MODULES_NOTE) if parts else None,
     )
 
 
@@ -351,7 +358,12 @@ def profile_memory(runner: Runner, device: torch.device, model: torch.nn.Module 
     if model is not None and site_modules:
         marks = [(path, e.start_ns(), e.end_ns()) for e in events if e.name().startswith("nn.Module: ")
                  and (path := _module_path(e.name()[len("nn.Module: "):], called)) in site_modules]
-    result = MemoryPeak(peak_bytes=int(peak), profiler=prof, timeline=_timeline(events, records, marks))
+    try:
+        timeline = _timeline(events, records, marks)
+    except Exception as e:  # noqa: BLE001 - the peak stands without it; say why it is missing
+        warnings.warn(f"attnopt profile: no memory timeline for this point ({type(e).__name__}: {e})", stacklevel=2)
+        timeline = None
+    result = MemoryPeak(peak_bytes=int(peak), profiler=prof, timeline=timeline)
     if at is None:
         return result
     around = _around(events, at.start_ns(), at.start_thread_id())
