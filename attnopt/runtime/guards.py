@@ -74,8 +74,9 @@ class BufferGuard:
     def holds(self, t: torch.Tensor) -> bool:
         if t.requires_grad:
             return False  # is_causal would drop the gradient that reaches this tensor through the mask
-        if not self.strict and self.pinned_to(t):
-            return True
+        ref = self._ref
+        if not self.strict and ref is not None and not t.is_inference() and ref() is t and t._version == self.version:
+            return True  # self.pinned_to(t), inlined: checked on every call
         ok = is_band(t, self.cuts, self.values)
         if ok:
             self._pin(t)

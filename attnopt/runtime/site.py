@@ -92,7 +92,9 @@ class AttentionSite(DispatchingSite):
                 q = q * scale_tensor
             else:
                 scale = scale * float(scale_tensor)
-        q, k, v, lead = candidate_layout(q, k, v)
+        lead = 0
+        if q.dim() != 4 or v.dtype != q.dtype:
+            q, k, v, lead = candidate_layout(q, k, v)
         use_causal = False
         if spec.causal is not None:
             aligned = spec.causal == "top_left" or q.size(-2) == k.size(-2)
@@ -108,7 +110,8 @@ class AttentionSite(DispatchingSite):
             kwargs["window"] = spec.window
         if self.score_mod is not None:
             kwargs["score_mod"] = self.score_mod
-        grad = needs_grad(q, k, v, attn_mask)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            attn_mask is not None and attn_mask.requires_grad))  # needs_grad(q, k, v, attn_mask), inlined
         in_graph = tracing and not self.tuning_run  # traced into a compiled graph: the mask's values are unknown
         min_rows = None
         as_written = False
@@ -137,8 +140,10 @@ class AttentionSite(DispatchingSite):
         if tracing or _profiling():
             with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
                 out = self._run(q, k, v, kwargs, filled, grad, tracing, as_written, hidden, hidden_rows)
-        else:
+        elif as_written or hidden_rows:
             out = self._run(q, k, v, kwargs, filled, grad, tracing, as_written, hidden, hidden_rows)
+        else:
+            out = self.run_candidate(q, k, v, kwargs, grad=grad, tracing=False)
         if spec.min_rows == "mean" and min_rows is not None and not as_written:
             v_mean = v.mean(-2, keepdim=True)  # (B, Hkv, 1, Dv)
             if v_mean.size(-3) != out.size(-3):
@@ -227,7 +232,12 @@ class AttentionSite(DispatchingSite):
     def _guards_hold(self, guarded: tuple[torch.Tensor, ...], tracing: bool) -> bool:
         if not self.guards:
             return True
-        if tracing or any(is_fake(t) for t in guarded):
+        if not tracing:
+            for t in guarded:
+                if is_fake(t):
+                    tracing = True
+                    break
+        if tracing:
             # buffers are checked at the compiled graph's boundary instead; run-time terms cannot be
             # checked there, so a compiled graph passes the mask tensor
             return not any(isinstance(g, ConditionGuard) for g in self.guards)
