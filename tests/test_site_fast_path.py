@@ -222,3 +222,28 @@ def test_a_traced_call_runs_what_the_most_recent_eager_call_of_its_key_ran() -> 
     finally:
         dispatch.get_candidate = saved
     assert seen == ["math"]
+
+
+def test_a_mask_that_requires_a_gradient_is_checked_apart() -> None:
+    """A candidate checked on a call whose mask needs no gradient is checked again once the mask needs one."""
+    def detached_mask(q, k, v, attn_mask=None, **kw):  # right outputs, no gradient for the mask
+        return reference_attention(q, k, v, attn_mask=None if attn_mask is None else attn_mask.detach(), **kw)
+
+    registry.register_candidate(FunctionCandidate("detached_mask", detached_mask, lambda spec: None))
+    try:
+        site = AttentionSite("s", ADDED, "detached_mask")
+        q, k, v = qkv(grad=True)
+        with quiet():
+            site(q, k, v, torch.randn(T, T)).sum().backward()  # checked: outputs and q, k, v gradients right
+            assert site.fallbacks == {}
+            mask = torch.randn(T, T, requires_grad=True)
+            out = site(q, k, v, mask)
+        (out * out).sum().backward()
+        want = torch.randn(T, T).copy_(mask.detach()).requires_grad_(True)
+        ref = reference_attention(q.detach(), k.detach(), v.detach(), attn_mask=want, scale=ADDED.scale)
+        (ref * ref).sum().backward()
+        torch.testing.assert_close(mask.grad, want.grad)
+        (reason,) = site.fallbacks
+        assert reason.startswith("detached_mask does not match the reference for these shapes")
+    finally:
+        registry._REGISTRY.pop("detached_mask", None)

@@ -25,10 +25,11 @@ brings its call to the candidates' layout (:func:`candidate_layout`) and its key
    reference is recomputed differentiably) unless the candidate is differentiable twice itself;
    a candidate that raises is replaced by ``math`` for this call and every later one, with a warning.
 
-Steps 1, 2, 4 and 5 depend on the call's signature alone (shapes, dtype, device, the mask's dtype and
-shape, causal, dropout, gradients), so their outcome is kept per exact signature (a :class:`_Plan`):
-every later call of that signature costs one tuple and one dictionary lookup, and every new signature
-goes through the selector and the per-key check.
+Steps 1, 2, 4 and 5 depend on the call's signature alone (shapes, dtype, device, the mask's dtype,
+shape and whether it requires a gradient, causal, dropout, gradients), so their outcome is kept per
+exact signature (a :class:`_Plan`): every later call of that signature costs one tuple and one
+dictionary lookup, and every new signature goes through the selector and the per-key check (checked
+apart when the mask requires a gradient: a check without it says nothing about that gradient).
 
 >>> import torch
 >>> from attnopt.spec import AttentionSpec
@@ -123,6 +124,7 @@ class DispatchingSite(nn.Module):
         self.tuning_run = False  # the backend's eager run before Inductor traces (is_compiling() is True there)
         self._failed: set[str] = set()  # candidates that raised here; this site runs math instead of them
         self._checked: dict[tuple, str] = {}  # (candidate, ShapeKey) -> what runs: it, or its replacement
+        self._checked_mask_grad: dict[tuple, str] = {}  # the same for calls whose mask requires a gradient
         #: exact call signature -> _Plan: the per-call fast path (one tuple and one lookup per call); cleared
         #: whenever what it caches may change (a candidate raised, the selector's choices were forgotten)
         self._plans: dict[tuple, _Plan] = {}
@@ -177,7 +179,8 @@ class DispatchingSite(nn.Module):
         mask = kwargs["attn_mask"]
         if grad is None:
             grad = needs_grad(q, k, v, mask)
-        call = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else (mask.dtype, mask.shape),
+        call = (q.shape, k.shape, v.shape, q.dtype, q.device,
+                None if mask is None else (mask.dtype, mask.shape, mask.requires_grad),
                 kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
         plan = self._plans.get(call)
         if plan is None:
@@ -258,12 +261,15 @@ class DispatchingSite(nn.Module):
         """``name``, or what replaces it, once it matched the reference for this call's shape key."""
         if name == "math":
             return name
-        key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=kwargs["attn_mask"],
+        mask = kwargs["attn_mask"]
+        key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
                                dropout=kwargs["dropout_p"] > 0, grad=grad))
-        served = self._checked.get(key)
+        # a check without the mask's gradient says nothing about it: calls that need it are checked apart
+        checked = self._checked_mask_grad if grad and mask is not None and mask.requires_grad else self._checked
+        served = checked.get(key)
         if served is None:
             with apart(q.device):  # the check's own calls are not the model's
-                served = self._checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
+                served = checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
         return served
 
     def _check(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
