@@ -168,7 +168,7 @@ def test_a_failing_or_slow_section_is_recorded_and_the_next_runs():
     assert gpu_check.run_section("a", broken, 5, doc, device="cpu")["status"] == "error"
     assert gpu_check.run_section("b", slow, 0.1, doc, device="cpu", hard_s=0.5)["status"] == "timeout"
     assert gpu_check.run_section("c", polite, 0.2, doc, device="cpu")["status"] == "partial"
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 25  # the 30 s sleep was cut short (loose: a loaded CI machine is slow)
     a, b, c = (doc["sections"][n] for n in "abc")
     assert a["error"] == "ValueError: bad" and "Traceback" in a["traceback"]
     assert b["done"] == 1 and "hard limit" in b["error"] and b["wall_s"] < 2
