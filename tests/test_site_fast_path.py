@@ -247,3 +247,18 @@ def test_a_mask_that_requires_a_gradient_is_checked_apart() -> None:
         assert reason.startswith("detached_mask does not match the reference for these shapes")
     finally:
         registry._REGISTRY.pop("detached_mask", None)
+
+
+@pytest.mark.parametrize("candidate", ["sdpa", "sdpa_flash", "math"])
+def test_a_site_that_ran_still_pickles_and_copies(candidate: str) -> None:
+    """The plans are a cache of candidates (whose functions may be closures): left out of the pickle."""
+    import copy
+    import pickle
+
+    site = AttentionSite("s", CAUSAL, candidate)
+    q, k, v = qkv()
+    with torch.no_grad():
+        want = site(q, k, v)
+        for again in (pickle.loads(pickle.dumps(site)), copy.deepcopy(site)):
+            assert again._plans == {} and again._checked == site._checked
+            torch.testing.assert_close(again(q, k, v), want)

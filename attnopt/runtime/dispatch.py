@@ -139,6 +139,12 @@ class DispatchingSite(nn.Module):
         if selector is not None:
             selector.register(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
+        state = dict(state)
+        state["_plans"] = {}  # a cache of what _checked, tuning and _failed decide; its candidates may not pickle
+        return state
+
     def count_fallback(self, reason: str) -> None:
         """One more call of this site ran as written (or by a replacement) for ``reason``; ``explain()`` shows it."""
         counts = self.fallbacks
