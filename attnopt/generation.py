@@ -25,8 +25,9 @@ How the cached model is built, and why it computes the same function:
    serves and must be exactly causal there, else the call raises. Sites with another mask or active
    dropout stay as written, so step 4 refuses them.
 4. **Prove positions** (``passes/positions.py``): every other op acts on each position alone, or
-   reads positions only through ``arange(T)`` / ``table[:T]``; otherwise
-   :class:`~attnopt.passes.positions.PositionError` names the op and its source line.
+   reads positions only through ``arange(T)`` / ``table[:T]``; a view that folds batch and time into
+   rows (``(B, T, C) -> (B*T, C)``, GPT-2's ``Conv1D``) is followed through row-wise ops until it is
+   unfolded; otherwise :class:`~attnopt.passes.positions.PositionError` names the op and its source line.
 5. **Shift positions**: the graph takes ``(tokens, offset)``; ``arange(T)`` becomes
    ``arange(offset, offset + t)`` and ``table[:T]`` becomes ``table[offset:offset + t]``.
 6. **Pin what the capture read**: every ``prefill``/``step`` first checks that the model's tensors the
@@ -44,6 +45,17 @@ Each site writes its new K and V into a cache preallocated to ``max_len`` positi
 computed per position, so the cached rows equal the full recompute's) and attends over
 ``cache[:offset + t]`` with the causal rule aligned bottom-right: no mask for one new token,
 ``is_causal`` for the prefill, an explicit lower-band mask for several new tokens after a prefix.
+A site whose mask is a proven causal sliding window of ``w`` keys (``spec.window``, or a run-time mask
+check that reads the window off the mask, as for Mistral) keeps a ring of ``w`` slots: keys further
+back are overwritten, never attended, and a sequence's cache is bounded by the window.
+
+Prompts of different lengths (a list of 1-D tensors, or left-padded ids with ``attention_mask``) run
+as one batch whose rows are folded into the time axis of one sequence (``runtime.kv_cache.Rows``):
+step 4's proof says that every time step outside the sites is computed from its own token and position
+alone, so each slot gets its row's position (``passes.positions.index_positions``: ``arange(T)`` and
+``table[:T]`` read a position vector), and each site unfolds the rows, keeps one cache row per sequence
+and masks the keys of other positions (padding is never written nor attended). Each sequence gets the
+logits it gets alone.
 Attention runs through the candidate ``variant`` names (``sdpa`` by default; ``auto`` lets the
 selector time the prefill and decode shapes); outputs match the model as written within the
 dtype's tolerance, like every attnopt rewrite. Dropout must be inactive (``model.eval()``).

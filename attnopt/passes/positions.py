@@ -21,7 +21,9 @@ Every node gets one :class:`Kind`, a forward dataflow in graph order:
 Time axes are read from the symbolic shapes in ``node.meta["val"]``, never from names. The op
 rules (a table, :data:`_RULES`) accept an op only when it acts on each time slice separately:
 pointwise ops (``torch.Tag.pointwise``) whose broadcast keeps time axes aligned, layout ops,
-reshapes that keep the sizes before the time axis, products and norms that contract or reduce
+reshapes that keep the elements before the time axis before it (a view that folds batch and time into
+rows, ``(B, T, C) -> (B*T, C)`` as GPT-2's ``Conv1D`` does, is followed through row-wise ops, :func:`_folded`,
+until a view unfolds it), products and norms that contract or reduce
 other axes, ``embedding``/``index``/``index_select`` by position or token indices (the result takes
 the index's kind and time axis, so a bag of all tokens reduced over time is refused), splits and
 reductions over other axes. A rule that returns a weaker kind than one of the operands it reads

@@ -11,7 +11,6 @@ from sizes alone at each new ``(batch, length)``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -45,7 +44,8 @@ class Rows:
         self.positions = self.at.reshape(-1)
         self._keep: dict[tuple[Any, ...], torch.Tensor] = {}  # the sites' masks, shared by sites alike
 
-    def keep(self, key: tuple[Any, ...], build: Any) -> torch.Tensor:
+    def mask(self, key: tuple[Any, ...], build: Any) -> torch.Tensor:
+        """The keep-mask ``build()`` gives, built once per call for every site with the same ``key``."""
         if key not in self._keep:
             self._keep[key] = build()
         return self._keep[key]
@@ -185,12 +185,10 @@ class KVCacheAttention(DispatchingSite):
         assert self.k_cache is not None and self.v_cache is not None
         b, i = rows.real.nonzero(as_tuple=True)
         if w is None or t == 1:  # writing first overwrites no key this call attends (capacity >= w)
-            slot = rows.at[b, i] % cap
-            self.k_cache[b, ..., slot, :] = k[b, ..., i, :]
-            self.v_cache[b, ..., slot, :] = v[b, ..., i, :]
+            self._write(k, v, rows, b, i)
             n = min(cap, int(rows.end.max()))
             keys, values = self.k_cache[..., :n, :], self.v_cache[..., :n, :]
-            mask = rows.keep(("after", cap, w), lambda: _window_keep(rows.at, *_slot_positions(rows.end, n, cap), w))
+            mask = rows.mask(("after", cap, w), lambda: _window_keep(rows.at, *_slot_positions(rows.end, n, cap), w))
         else:  # a window and several tokens: attend to the ring and the new keys, then write
             if rows.fresh:
                 keys, values, kv_rows = k, v, (rows.at, rows.real)
@@ -198,7 +196,7 @@ class KVCacheAttention(DispatchingSite):
                 keys, values = torch.cat((self.k_cache, k), dim=-2), torch.cat((self.v_cache, v), dim=-2)
                 held, valid = _slot_positions(rows.start, cap, cap)
                 kv_rows = (torch.cat((held, rows.at), 1), torch.cat((valid, rows.real), 1))
-            mask = rows.keep(("before", cap, w, rows.fresh), lambda: _window_keep(rows.at, *kv_rows, w))
+            mask = rows.mask(("before", cap, w), lambda: _window_keep(rows.at, *kv_rows, w))
         shape = q.shape
         if q.dim() > 4:  # (R, 1, H, t, D): the dims before the heads into the rows
             q, keys, values = (x.reshape(-1, *x.shape[-3:]) for x in (q, keys, values))
@@ -207,11 +205,15 @@ class KVCacheAttention(DispatchingSite):
         out = out.reshape(*shape[:-1], out.size(-1))
         if w is not None and t > 1:
             stay = rows.at[b, i] >= (rows.end[b] - cap)  # only the last ``capacity`` positions of a row stay
-            b, i = b[stay], i[stay]
-            slot = rows.at[b, i] % cap
-            self.k_cache[b, ..., slot, :] = k[b, ..., i, :]
-            self.v_cache[b, ..., slot, :] = v[b, ..., i, :]
+            self._write(k, v, rows, b[stay], i[stay])
         return out.movedim(0, -3).flatten(-3, -2)  # (..., R * t, D)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, b: torch.Tensor, i: torch.Tensor) -> None:
+        """Slots ``i`` of rows ``b`` (``k``, ``v``: ``(R, ..., t, D)``) into their rows' cache slots."""
+        assert self.k_cache is not None and self.v_cache is not None
+        slot = rows.at[b, i] % self.capacity
+        self.k_cache[b, ..., slot, :] = k[b, ..., i, :]
+        self.v_cache[b, ..., slot, :] = v[b, ..., i, :]
 
 
 class MaskCheck:
@@ -271,4 +273,4 @@ class MaskCheck:
         if found is None or found[1] != (False, True, False) or found[0][1] != 0:
             return None
         width = found[0][1] - found[0][0]
-        return width if 1 <= width < length and not math.isinf(width) else None
+        return width if 1 <= width < length else None
