@@ -304,37 +304,6 @@ def test_last_position_only_output_is_refused():
         cached(model)
 
 
-def test_hugging_face_llama_equals_the_plain_loop():
-    """HF builds its causal mask from position ids (comparisons and a packed-sequence cumsum): not proven
-    symbolically, so it is checked causal at every length the cache serves."""
-    import transformers  # part of the dev extra
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
-                                   attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    c = cached(model)
-    assert c.max_len == 32 and len(c.mask_checks) == 2 and "mask checked causal" in c.describe()
-    idx = torch.randint(0, VOCAB, (2, 5))
-    torch.testing.assert_close(c.prefill(idx), model(idx).logits, atol=1e-5, rtol=1e-5)
-    new = torch.randint(0, VOCAB, (2, 3))
-    torch.testing.assert_close(c.step(new), model(torch.cat((idx, new), 1)).logits[:, 5:], atol=1e-5, rtol=1e-5)
-    assert torch.equal(generate(c, idx, 12), generate_plain(model, idx, 12))
-    kw = dict(do_sample=True, top_k=10)
-    assert torch.equal(generate(c, idx, 12, generator=torch.Generator().manual_seed(1), **kw),
-                       generate_plain(model, idx, 12, generator=torch.Generator().manual_seed(1), **kw))
-    # prompts of different lengths: each as alone (the mask checked at every row's own length), and as HF's
-    # generate gives them for left-padded ids (it takes positions from the attention mask)
-    prompts = [torch.randint(1, VOCAB, (n,)) for n in (7, 1, 3)]
-    got = generate(c, prompts, 8)
-    assert all(torch.equal(g, generate_plain(model, p[None], 8)[0]) for g, p in zip(got, prompts))
-    ids, mask = generation.left_pad(prompts)
-    hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                        eos_token_id=None)
-    assert torch.equal(generate(c, ids, 8, attention_mask=mask), hf)
-
-
 class MaskedAttention(nn.Module):
     """Attention with a mask built from sizes: causal within a window of ``window`` keys, or all zeros."""
 

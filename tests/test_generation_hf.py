@@ -1,5 +1,5 @@
-"""Hugging Face causal LMs in eager attention: GPT-2 (its Conv1D folds batch and time into rows) and Mistral
-(a sliding-window mask read at run time), from tiny configs with random weights.
+"""Hugging Face causal LMs in eager attention: GPT-2 (its Conv1D folds batch and time into rows), LLaMA and
+Mistral (a sliding-window mask read at run time), from tiny configs with random weights.
 
 Exact against the plain loop, and against HF's own ``generate`` (its cache, positions from the attention mask
 for left-padded batches). Folds that are not position-wise are refused, naming the op.
@@ -23,18 +23,30 @@ def _alone(model, prompts, n, **kw):
     return [generate_plain(model, p[None], n, **kw)[0] for p in prompts]
 
 
-@pytest.fixture(scope="module")
-def gpt2():
+def _hf_model(name: str):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
-                                  eos_token_id=0, pad_token_id=0, attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    if name == "gpt2":  # Conv1D: (B, T, C) viewed (B*T, C) around addmm
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                      attn_implementation="eager")
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
+                                   attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def hf(request):
+    model = _hf_model(request.param)
     return model, cached(model)
 
 
-def test_gpt2_is_cached_through_its_conv1d_views(gpt2):
-    model, c = gpt2
+def test_hf_model_equals_the_plain_loop_and_hf_generate(hf):
+    """HF builds its causal mask from position ids (comparisons and a packed-sequence cumsum): not proven
+    symbolically, so it is checked causal at every length the cache serves."""
+    model, c = hf
     assert len(c.sites) == 2 and c.max_len == 32 and len(c.mask_checks) == 2
+    assert "mask checked causal" in c.describe()
     idx = torch.randint(1, VOCAB, (2, 5))
     torch.testing.assert_close(c.prefill(idx), model(idx).logits, atol=1e-5, rtol=1e-5)
     new = torch.randint(1, VOCAB, (2, 3))
@@ -44,18 +56,20 @@ def test_gpt2_is_cached_through_its_conv1d_views(gpt2):
     assert torch.equal(generate(c, idx, 12, generator=torch.Generator().manual_seed(1), **kw),
                        generate_plain(model, idx, 12, generator=torch.Generator().manual_seed(1), **kw))
     # HF's own loop with its cache gives the same tokens
-    hf = model.generate(idx, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(generate(c, idx, 12), hf)
+    hf_tokens = model.generate(idx, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(c, idx, 12), hf_tokens)
 
 
-def test_gpt2_ragged_prompts_match_alone_and_hf_generate(gpt2):
-    model, c = gpt2
+def test_hf_ragged_prompts_match_alone_and_hf_generate(hf):
+    """Each prompt as alone (the mask checked at every row's own length), and as HF's generate gives them for
+    left-padded ids (it takes positions from the attention mask)."""
+    model, c = hf
     prompts = [torch.randint(1, VOCAB, (n,)) for n in (8, 1, 3)]
     assert all(torch.equal(g, r) for g, r in zip(generate(c, prompts, 10), _alone(model, prompts, 10)))
     ids, mask = left_pad(prompts)
-    hf = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                        eos_token_id=None)
-    assert torch.equal(generate(c, ids, 10, attention_mask=mask), hf)
+    hf_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+    assert torch.equal(generate(c, ids, 10, attention_mask=mask), hf_tokens)
 
 
 def test_mistral_sliding_window_is_read_off_its_mask():
