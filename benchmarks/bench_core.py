@@ -15,7 +15,14 @@ For every T, dynamo's caches are reset and both compiled variants are built afre
 specialised to that one static shape; compilation happens in the untimed warm-up. Timings are
 medians of alternating runs in this one process. Memory is the peak live tensor memory of one
 forward at ``--mem-seq-len`` (profiler allocation records on CPU, ``max_memory_allocated`` on CUDA).
+
+A training step (``--train-seq-lens``; forward, ``.sum().backward()`` and the parameters' gradients
+set to None, the blocks in training mode with dropout 0, x requiring grad) is timed the same way,
+in wall time and in the process's CPU time (all threads: what the step costs the machine, which a
+loaded machine's descheduling does not inflate); its ratios are medians of the per-round ratios.
 Results go to ``benchmarks/results/core.json`` and ``core.md``.
+
+    python benchmarks/bench_core.py --seq-lens 256 1024 --train-seq-lens 256 1024 2048 4096 --train-repeats 5
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +52,8 @@ VARIANTS = ("eager", "compile", "sdpa", "attnopt")
 MEM_VARIANTS = ("eager", "sdpa", "attnopt")
 TARGETS = {"attnopt_vs_sdpa_speed": (">=", 0.95), "attnopt_vs_compile_speed": (">=", 1.4),
            "attnopt_vs_sdpa_memory": ("<=", 1.2)}
+#: Training-step targets (issue 15 item 4): against hand-written SDPA at every T, against torch.compile from T=1024.
+TRAIN_TARGETS = {"attnopt_vs_sdpa": (0.97, 0), "attnopt_vs_compile": (1.4, 1024)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-seq-len", type=int, default=1024, help="T at which the speed targets are checked")
+    p.add_argument("--train-seq-lens", type=int, nargs="*", default=[256, 1024],
+                   help="sequence lengths of the training-step timing (none: skip it)")
+    p.add_argument("--train-repeats", type=int, default=5, help="timed rounds per T of the training step")
+    p.add_argument("--train-variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                   help="variants of the training-step timing (eager is slow and large at long T)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                    help="directory for core.json and core.md")
     return p.parse_args(argv)
@@ -102,6 +117,88 @@ def fmt(v: float | None, unit: str = "", digits: int = 2) -> str:
     return "failed" if v is None else f"{v:.{digits}f}{unit}"
 
 
+def train_step(fn: Callable[..., Any], block: torch.nn.Module) -> Callable[[torch.Tensor], None]:
+    """One training step of ``fn`` (``block``'s compiled or optimized form): forward, backward, gradients reset."""
+    params = list(block.parameters())
+
+    def step(x: torch.Tensor) -> None:
+        with torch.enable_grad():
+            fn(x).sum().backward()
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    return step
+
+
+def cpu_times(fns: dict[str, Callable[..., Any]], x: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+    """The process's CPU seconds (every thread) per call, the functions in alternation."""
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):
+        for n, f in fns.items():
+            start = time.process_time()
+            f(x)
+            samples[n].append(time.process_time() - start)
+    return samples
+
+
+def paired(samples: dict[str, list[float]], num: str, den: str) -> float | None:
+    """Median over rounds of ``num / den`` within each round (drifts between rounds cancel)."""
+    if num not in samples or den not in samples:
+        return None
+    return statistics.median(a / b for a, b in zip(samples[num], samples[den]))
+
+
+def run_training(args: argparse.Namespace, blocks: dict[str, torch.nn.Module]) -> list[dict[str, Any]]:
+    rows = []
+    for block in blocks.values():
+        block.train()  # dropout 0: training mode changes nothing but the mode
+    try:
+        for T in args.train_seq_lens:
+            print(f"T={T}: training step (compiling and checking gradients)", flush=True)
+            x = torch.randn(1, T, 768, device=args.device, requires_grad=True)
+            fns = make_fns(blocks)
+            steps, failed, grads = {}, {}, {}
+            for name in args.train_variants:
+                step = train_step(fns[name], blocks[name])
+                start = time.perf_counter()
+                try:
+                    with torch.enable_grad():
+                        fns[name](x).sum().backward()
+                    grads[name] = blocks[name].c_attn.weight.grad.clone()
+                    step(x)
+                except Exception as e:  # noqa: BLE001 - a failing variant is a result, not a crash
+                    failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"  {name}: FAILED ({failed[name]})", flush=True)
+                    continue
+                print(f"  {name}: first steps {time.perf_counter() - start:.1f} s", flush=True)
+                steps[name] = step
+            load = os.getloadavg()[0]
+            wall: dict[str, list[float]] = {}
+            time_alternating(steps, (x,), repeats=args.train_repeats, warmup=1, samples=wall,
+                             progress=f"train T={T}")
+            cpu = cpu_times(steps, x, args.train_repeats)
+            ref = grads.get("eager", grads.get("sdpa"))
+            rows.append({
+                "T": T, "ms": {n: statistics.median(wall[n]) * 1e3 if n in wall else None for n in VARIANTS},
+                "cpu_ms": {n: statistics.median(cpu[n]) * 1e3 if n in cpu else None for n in VARIANTS},
+                "attnopt_vs_sdpa": paired(wall, "sdpa", "attnopt"),
+                "attnopt_vs_compile": paired(wall, "compile", "attnopt"),
+                "attnopt_vs_eager": paired(wall, "eager", "attnopt"),
+                "attnopt_vs_sdpa_cpu": paired(cpu, "sdpa", "attnopt"),
+                "attnopt_vs_compile_cpu": paired(cpu, "compile", "attnopt"),
+                "max_abs_grad_diff": {n: (g - ref).abs().max().item() for n, g in grads.items() if ref is not None},
+                "loadavg_1min": [load, os.getloadavg()[0]], "failed": failed,
+            })
+            if "attnopt" in steps:
+                rows[-1]["attnopt_fallbacks"] = {r.name: dict(r.extra.get("fallbacks", {}))
+                                                 for r in attnopt.explain(fns["attnopt"]).records}
+    finally:
+        for block in blocks.values():
+            block.eval()
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -126,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     x = torch.randn(1, args.mem_seq_len, 768, device=args.device)
     fns = make_fns(blocks)
     memory = {n: peak_memory(fns[n], x) for n in MEM_VARIANTS}
-    return {"timing": timing_rows, "memory": {"T": args.mem_seq_len, "bytes": memory}}
+    training = run_training(args, blocks) if args.train_seq_lens else []
+    return {"timing": timing_rows, "memory": {"T": args.mem_seq_len, "bytes": memory}, "training": training}
 
 
 def summarise(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -147,6 +245,11 @@ def summarise(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         v = values.get(key)
         met = None if v is None else (v >= target if op == ">=" else v <= target)
         summary[key] = {"value": v, "target": f"{op} {target}", "met": met}
+    for key, (target, from_t) in TRAIN_TARGETS.items():
+        for row in res.get("training", []):
+            v = row.get(key)
+            if row["T"] >= from_t and v is not None:
+                summary[f"train_{key}_T{row['T']}"] = {"value": v, "target": f">= {target}", "met": v >= target}
     return summary
 
 
@@ -164,10 +267,24 @@ def markdown(res: dict[str, Any], summary: dict[str, Any], args: argparse.Namesp
     mem = res["memory"]
     mrows = [[mem["T"], n, f"{mem['bytes'][n] / 2**20:.1f}"] for n in MEM_VARIANTS]
     memory = tabulate(mrows, headers=["T", "variant", "peak live tensor MiB"], tablefmt="github")
+    train = ""
+    if res.get("training"):
+        rows = []
+        for r in res["training"]:
+            ms = r["ms"]
+            rows.append([r["T"], *(fmt(ms[n]) for n in VARIANTS), fmt(r["attnopt_vs_sdpa"], "x", 3),
+                         fmt(r["attnopt_vs_compile"], "x", 3), fmt(r["attnopt_vs_eager"], "x", 2),
+                         fmt(r["attnopt_vs_sdpa_cpu"], "x", 3), fmt(r["attnopt_vs_compile_cpu"], "x", 3),
+                         f"{r['loadavg_1min'][0]:.1f}-{r['loadavg_1min'][1]:.1f}",
+                         " ".join(f"{n}={d:.1e}" for n, d in r["max_abs_grad_diff"].items() if d)])
+        train = tabulate(rows, headers=["T", *(f"{n} ms" for n in VARIANTS), "attnopt vs SDPA", "attnopt vs compile",
+                                        "attnopt vs eager", "vs SDPA (CPU time)", "vs compile (CPU time)", "load",
+                                        "max abs diff of c_attn.weight.grad"], tablefmt="github")
     trows = [[k, fmt(v["value"], "x", 3), v["target"], {True: "met", False: "MISSED", None: "n/a"}[v["met"]]]
              for k, v in summary.items()]
     targets = tabulate(trows, headers=["ratio", "measured", "target", ""], tablefmt="github")
-    failures = [f"- T={r['T']} {n}: {why}" for r in res["timing"] for n, why in r["failed"].items()]
+    failures = [f"- T={r['T']} {n}: {why}" for r in res["timing"] + res.get("training", [])
+                for n, why in r["failed"].items()]
     env = res["env"]
     parts = [f"# attnopt core benchmark\n\n`{env['command']}`\n",
              f"torch {env['torch']}, attnopt {env['attnopt']}, {env['device']}, {env['threads']} threads, "
@@ -175,8 +292,12 @@ def markdown(res: dict[str, Any], summary: dict[str, Any], args: argparse.Namesp
              f"after {args.warmup} warm-up rounds. 1-min load average {env['loadavg_1min']['before']:.2f} "
              f"before, {env['loadavg_1min']['after']:.2f} after, on {env['cpu_count']} CPUs (other processes "
              "share the CPUs when it is high).\n",
-             "## Time per forward\n", timing, "", "## Peak memory of one forward\n", memory, "",
-             f"## Targets (speed at T={args.target_seq_len}; ratio > 1 means attnopt is faster)\n", targets, ""]
+             "## Time per forward\n", timing, "", "## Peak memory of one forward\n", memory, ""]
+    if train:
+        parts += [f"## Time per training step (forward + backward; median of {args.train_repeats} alternating "
+                  "runs; ratios: medians of the per-round ratios, > 1 means attnopt is faster)\n", train, ""]
+    parts += [f"## Targets (speed at T={args.target_seq_len}, training steps at their T; ratio > 1 means attnopt is "
+              "faster)\n", targets, ""]
     if failures:
         parts += ["## Failed variants\n", *failures, ""]
     return "\n".join(parts)
