@@ -72,7 +72,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .passes.kv_capture import logits_of
+from .passes.kv_capture import forward_kwargs, logits_of
 from .passes.positions import PositionError
 from .pipeline.kv import cached
 from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens, left_pad, padding_of
@@ -290,10 +290,13 @@ def generate_plain(model: nn.Module, idx: Prompts, max_new_tokens: int, *, tempe
     _check_total(batch.longest, max_new_tokens, max_len)
     stopping = _Stopping(eos_token_id, stop, pad_token_id, ids, trimmed=batch.listed)
 
+    def run(seq: torch.Tensor) -> torch.Tensor:
+        return logits_of(model(seq, **forward_kwargs(model, seq)))  # a required attention_mask: all ones
+
     def alone(seq: torch.Tensor) -> torch.Tensor:
         if batch.pad is None:
-            return logits_of(model(seq))
-        return torch.cat([logits_of(model(row[None]))[:, -1:] for row in batch.rows(seq)])
+            return run(seq)
+        return torch.cat([run(row[None])[:, -1:] for row in batch.rows(seq)])
 
     with torch.no_grad():
         new = list(_decode(alone, lambda _, seq: alone(seq), ids, max_new_tokens,

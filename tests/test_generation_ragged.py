@@ -7,8 +7,11 @@ row). Checked against the plain loop run on each prompt alone, greedy and with o
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from llama_style import LlamaConfig, LlamaStyle
 
 from attnopt.generation import cached, generate, generate_plain, left_pad, stream
@@ -195,3 +198,35 @@ def test_bad_prompt_lists_say_what_to_do(nano):
     # a bool mask of ones is a plain batch
     ids = torch.randint(0, VOCAB, (2, 3))
     assert torch.equal(generate(c, ids, 3, attention_mask=torch.ones(2, 3, dtype=torch.bool)), generate(c, ids, 3))
+
+
+class PaddedGPT(NanoGPT):
+    """nanoGPT whose forward requires a padding mask (1 = token), added in every attention next to the causal one."""
+
+    def forward(self, idx, attention_mask):
+        b, t = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        pad = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        for block in self.h:
+            a = block.attn
+            q, k, v = (y.view(b, t, a.n_head, -1).transpose(1, 2) for y in a.c_attn(block.ln_1(x)).split(a.n_embd, 2))
+            att = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(a.bias[:, :, :t, :t] == 0, -math.inf)
+            x = x + a.c_proj((F.softmax(att + pad, dim=-1) @ v).transpose(1, 2).reshape(b, t, -1))
+            x = x + block.mlp(block.ln_2(x))
+        return self.lm_head(self.ln_f(x))
+
+
+def test_a_model_whose_forward_requires_an_attention_mask():
+    """Captured with a mask of ones (one sequence alone has no padding), checked causal with it at every length;
+    the plain loop passes ones too, and a ragged batch's padding is the cache's own key mask."""
+    torch.manual_seed(0)
+    model = PaddedGPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, block_size=24)).eval()
+    c = cached(model)
+    assert "mask checked causal" in c.describe() and "h.0.attn.bias" in c.describe()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    assert torch.equal(generate(c, idx, 10), generate_plain(model, idx, 10))
+    prompts = _prompts((7, 1, 3), seed=6)
+    assert _same(generate(c, prompts, 8), _alone(model, prompts, 8))
+    row = torch.cat((prompts[1], torch.zeros(3, dtype=torch.long)))[None]  # the model's own padding, on the right
+    torch.testing.assert_close(c.prefill(prompts[1][None])[0, -1],
+                               model(row, torch.tensor([[1, 0, 0, 0]]))[0, 0], atol=1e-5, rtol=1e-5)

@@ -2,7 +2,8 @@
 
 * :func:`capture_lm`: ``torch.export`` with dynamic batch and length, returning only the logits
   (:func:`logits_of` picks them from a tensor, a tuple or ``.logits``), tidied so that export's
-  spellings read like the model's;
+  spellings read like the model's; a required ``attention_mask`` becomes ones of the tokens' shape
+  (:func:`forward_kwargs` gives the same to the plain loop);
 * :func:`not_cacheable`: why a matched site cannot attend to a cache (no causal proof, dropout,
   score modifiers, run-time conditions, finite fills), or None (a proven causal sliding window is cached);
 * :func:`mask_check`: the run-time :class:`~attnopt.runtime.kv_cache.MaskCheck` for a mask of sizes alone;
@@ -53,16 +54,36 @@ def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None
     return None
 
 
+def needs_mask(model: nn.Module) -> bool:
+    """``model.forward`` requires an ``attention_mask`` argument (no default)."""
+    p = inspect.signature(model.forward).parameters.get("attention_mask")
+    return p is not None and p.default is inspect.Parameter.empty
+
+
+def forward_kwargs(model: nn.Module, idx: torch.Tensor) -> dict[str, Any]:
+    """What ``forward(idx, **kw)`` needs besides the tokens: an all-ones ``attention_mask`` where it is required
+    (one sequence alone has no padding; a ragged batch's padding is the cache's to hide)."""
+    return {"attention_mask": torch.ones_like(idx)} if needs_mask(model) else {}
+
+
 def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Node, Any]:
-    """``forward(idx)`` as an ATen graph with symbolic batch and length, returning only the logits."""
+    """``forward(idx)`` as an ATen graph with symbolic batch and length, returning only the logits.
+
+    A required ``attention_mask`` is captured as an input of the tokens' shape and then replaced in the graph by
+    ones of that shape (:func:`forward_kwargs`): the mask terms it builds hide no key, which the site's mask
+    proof reads from the graph; padding in ragged batches is the cache's own key mask.
+    """
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     example = torch.zeros(2, example_len, dtype=torch.long, device=device)
     dim = torch.export.Dim.AUTO
     params = list(inspect.signature(model.forward).parameters)
     # Hugging Face models build their own cache object unless told not to; it is not part of the logits.
-    kwargs = {"use_cache": False} if "use_cache" in params else {}
+    kwargs: dict[str, Any] = {"use_cache": False} if "use_cache" in params else {}
     dynamic = {params[0]: {0: dim, 1: dim}, **{k: None for k in kwargs}} if params else None
+    if needs_mask(model):
+        kwargs["attention_mask"] = forward_kwargs(model, example)["attention_mask"]
+        dynamic = {**(dynamic or {}), "attention_mask": {0: dim, 1: dim}}
     try:
         ep = torch.export.export(model, (example,), kwargs, dynamic_shapes=dynamic)
     except Exception as e:
@@ -79,13 +100,15 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
         if node.op == "call_module" and str(node.target).startswith("_guards"):
             graph.erase_node(node)  # input range checks; the cache checks max_len itself
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if "attention_mask" in kwargs:
+        _mask_of_ones(model, graph, placeholders)
     for extra in placeholders[1:]:  # use_cache=False: specialised at capture, unused
         if not extra.users:
             graph.erase_node(extra)
             placeholders.remove(extra)
     if len(placeholders) != 1:
         raise PositionError(f"{type(model).__name__}.forward(idx) was captured with {len(placeholders)} inputs; "
-                            "only forward(idx) with token ids is supported")
+                            "only forward(idx) with token ids (and a required attention_mask) is supported")
     out = next(n for n in graph.nodes if n.op == "output")
     flat = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     sentinels = [torch.empty(0) for _ in flat]
@@ -99,6 +122,25 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
     gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
     _tidy(gm)
     return gm, placeholders[0], ep
+
+
+def _mask_of_ones(model: nn.Module, graph: fx.Graph, placeholders: list[fx.Node]) -> None:
+    """Replace the ``attention_mask`` input by ``ones`` of the tokens' (symbolic) shape, built in the graph."""
+    tokens = placeholders[0]
+    mask = next((n for n in placeholders[1:] if n.name == "attention_mask"), None)
+    val, shape = (None, None) if mask is None else (meta_value(mask), shape_of(tokens))
+    if not isinstance(val, torch.Tensor) or shape is None or tuple(val.shape) != tuple(shape):
+        raise PositionError(f"{type(model).__name__}.forward's attention_mask was not captured with the shape of "
+                            f"the token ids ({list(shape or [])}); attnopt passes it a (batch, length) mask of ones")
+    with graph.inserting_before(placeholders[-1].next):  # after the inputs, in order
+        sizes = [graph.call_function(aten.sym_size.int, (tokens, d)) for d in (0, 1)]
+        ones = graph.call_function(aten.ones.default, (sizes,), {"dtype": val.dtype, "device": val.device})
+    for n, d in zip(sizes, shape):
+        n.meta["val"] = d
+    ones.meta.update(mask.meta)
+    mask.replace_all_uses_with(ones)
+    graph.erase_node(mask)
+    placeholders.remove(mask)
 
 
 _FULL_END = 2**63 - 1  # the end ``x[a:]`` records in ATen graphs
@@ -199,20 +241,20 @@ def logits_of(out: Any) -> torch.Tensor:
 
 
 def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, probe: int = 64) -> MaskCheck | str:
-    """The check for ``m``'s mask, or why it cannot be used.
+    """The check for ``m``'s mask terms (all of them together), or why they cannot be used.
 
     The mask is evaluated at lengths ``1..upto`` and at ``probe``: at ``probe`` it must keep a causal band
     (``i - w < j <= i``; ``w`` is then the check's window, a Mistral-style sliding window, if narrower than
     ``probe``), and at every length the same pattern. A window wider than ``probe`` is seen only at run time,
     where the check refuses the first length whose mask is not causal.
     """
-    if len(m.mask.terms) != 1:
-        return "it combines several masks"
-    term = m.mask.terms[0]
-    if getattr(term, "binary", False):
-        return "its mask is a 0/1 factor (`w * m + c * (1 - m)`), which the cache does not check"
-    node = term.mask if isinstance(term, Add) else term.cond
-    pending, seen = [node], set()
+    nodes, kinds = [], []
+    for term in m.mask.terms:
+        if getattr(term, "binary", False):
+            return "its mask is a 0/1 factor"
+        nodes.append(term.mask if isinstance(term, Add) else term.cond)
+        kinds.append((isinstance(term, Add), getattr(term, "keep_when_true", False)))
+    pending, seen = list(nodes), set()
     while pending:
         n = pending.pop()
         if n in seen:
@@ -229,11 +271,10 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, pro
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(gm.graph, env)
-    graph.output(env[node])
+    graph.output(tuple(env[n] for n in nodes))
     graph.eliminate_dead_code()
     where = " ".join(x for x in (m.record.module_path, m.record.source) if x)
-    check = MaskCheck(fx.GraphModule(gm, graph), isinstance(term, Add), getattr(term, "keep_when_true", False),
-                      m.record.name, where)
+    check = MaskCheck(fx.GraphModule(gm, graph), kinds, m.record.name, where)
     device = tokens.meta["val"].device
     check.probe = probe
     lengths = sorted({*range(1, upto + 1), probe})

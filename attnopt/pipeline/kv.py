@@ -40,6 +40,8 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     Args:
         model: returns logits for every position: a tensor, a tuple whose first item is the logits
             (nanoGPT's ``(logits, loss)``), or an object with ``.logits``. Dropout must be inactive.
+            ``forward(idx)``, or ``forward(idx, attention_mask)`` with a required mask: it is captured
+            with a mask of ones (a sequence alone has no padding; ragged batches are padded by the cache).
         max_len: positions the caches hold. Default: the model's maximum positions when they can be
             found (``config.block_size``/``max_position_embeddings``/..., position tables, length checks
             in ``forward``). A value beyond a position table or check of the model is refused.

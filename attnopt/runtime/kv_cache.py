@@ -217,22 +217,24 @@ class KVCacheAttention(DispatchingSite):
 
 
 class MaskCheck:
-    """A site mask computed from sizes alone that the symbolic proof could not read (e.g. Hugging Face's
-    masks, built from position ids with comparisons and a packed-sequence ``cumsum``).
+    """Site mask terms computed from sizes alone that the symbolic proof could not read (e.g. Hugging Face's
+    masks, built from position ids with comparisons and a packed-sequence ``cumsum``; a padding mask of ones).
 
-    The mask's subgraph (token ids enter only through their sizes) is a function of the batch size
-    and length alone. The cached model drops it and attends causally (within ``window`` keys when one
-    was found), which is exact exactly when that function gives that pattern (keep ``i - window < j <= i``;
-    masked entries ``-inf`` or the dtype's minimum) at every length the cache serves: the cached model
-    evaluates it for each new ``(batch, length)`` before running (one mask computation, as the model
-    itself does per call).
+    The terms' subgraph (token ids enter only through their sizes; model buffers may be read) is a function of
+    the batch size and length alone. The cached model drops it and attends causally (within ``window`` keys
+    when one was found), which is exact exactly when the terms together give that pattern (keep
+    ``i - window < j <= i``; added terms hold 0 or ``-inf``/the dtype's minimum, filled terms are boolean) at
+    every length the cache serves: the cached model evaluates them for each new ``(batch, length)`` before
+    running (one mask computation, as the model itself does per call).
+
+    ``kinds``: per term, ``(additive, keep_when_true)``: an added mask, or a boolean condition of
+    ``masked_fill`` (``keep_when_true`` for ``where(cond, scores, fill)``).
     """
 
-    def __init__(self, module: fx.GraphModule, additive: bool, keep_when_true: bool, site_name: str, where: str,
+    def __init__(self, module: fx.GraphModule, kinds: list[tuple[bool, bool]], site_name: str, where: str,
                  window: int | None = None):
         self.module = module
-        self.additive = additive  # an added mask (0 / -inf or the dtype's minimum), else a boolean one
-        self.keep_when_true = keep_when_true
+        self.kinds = kinds
         self.site_name = site_name
         self.where = where
         self.window = window
@@ -241,15 +243,25 @@ class MaskCheck:
         self.changed: str | None = None  # a model tensor it reads changed after cached() (see cached_lm.Watch)
 
     def keep(self, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
-        """The mask for ``batch`` sequences of ``length`` tokens as a keep pattern ``(..., length, length)``."""
+        """The terms for ``batch`` sequences of ``length`` tokens as one keep pattern ``(..., length, length)``,
+        or None when one is not a mask (an added value other than 0 and ``-inf``, a condition that is not bool)."""
         with torch.no_grad():
-            mask = self.module(torch.zeros(batch, length, dtype=torch.long, device=device))
-        if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+            out = self.module(torch.zeros(batch, length, dtype=torch.long, device=device))
+        keep = None
+        for mask, (additive, keep_when_true) in zip(out, self.kinds):
+            if additive and mask.is_floating_point():
+                masked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min)
+                if not bool(((mask == 0) | masked).all()):
+                    return None
+                k = mask == 0
+            elif not additive and mask.dtype == torch.bool:
+                k = mask if keep_when_true else ~mask
+            else:
+                return None
+            keep = k if keep is None else keep & k
+        if keep is None or keep.dim() < 2 or tuple(keep.shape[-2:]) != (length, length):
             return None
-        if self.additive:
-            masked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min)
-            return None if not bool(((mask == 0) | masked).all()) else mask == 0
-        return mask if self.keep_when_true else ~mask
+        return keep
 
     def holds(self, batch: int, length: int, device: torch.device) -> bool:
         """The mask for ``batch`` sequences of ``length`` tokens is exactly the causal (window) pattern."""
