@@ -393,9 +393,15 @@ def test_a_causal_decoder_trains_on_a_left_padded_batch_with_sdpa(build) -> None
             torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-4)
     report = attnopt.explain(opt)
     assert report.falling_back and all(set(r.extra["fallbacks"]) == {PARTLY} for r in report.falling_back)
-    # train -> eval -> train: each mode as written
+    # train -> eval -> train: each mode as written; in inference the fused kernel serves every row
     for mode in ("eval", "train"):
         getattr(model, mode)()
         with quiet():
             torch.testing.assert_close(opt(input_ids=ids, attention_mask=mask).logits,
                                        model(input_ids=ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
+        if mode == "eval":
+            with torch.no_grad(), quiet():
+                opt(input_ids=ids, attention_mask=mask)  # a new signature (no gradients): checked
+                with counting_sdpa() as calls:
+                    opt(input_ids=ids, attention_mask=mask)
+            assert calls[0] == 2
