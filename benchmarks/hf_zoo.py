@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -553,12 +552,22 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
 
 
 _PRODUCTS = frozenset(("matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "mm", "addmm", "addbmm"))
-_SOFTMAX = frozenset(("softmax", "_softmax", "_safe_softmax"))
+_SOFTMAX = frozenset(("softmax", "_softmax", "_safe_softmax", "softmax_"))
+#: ops through which scores or probabilities stay what they are although their element count changes
+#: (a sink column concatenated and sliced off again, chunked layouts padded and strided)
+_REGROUPS = frozenset(("__getitem__", "narrow", "cat", "concat", "concatenate", "pad", "as_strided", "unfold",
+                       "select", "index_select", "expand", "expand_as", "repeat", "repeat_interleave"))
+SCORES, PROBS = "scores", "probs"
 
 
 @dataclass
 class AttentionCount:
-    """What :func:`count_attention` saw: softmax calls, and those whose probabilities fed a product."""
+    """What :func:`count_attention` saw: softmax calls, and those that are attention.
+
+    A softmax is attention when its input derives from a product of two activations (``q @ k^T``: matmul,
+    bmm, baddbmm or einsum, no parameter among the operands; then scaled, masked, biased, soft-capped)
+    and its probabilities (cast, dropped out, viewed) are an operand of another product (``P @ V``).
+    """
 
     softmax: int = 0
     attention: int = 0
@@ -566,42 +575,51 @@ class AttentionCount:
 
 
 class _Counter(TorchFunctionMode):
-    """Marks softmax outputs, follows them through ops that keep their element count, counts products of them."""
+    """Marks products of activations as scores, softmaxes of scores as probabilities, counts products of those."""
 
     def __init__(self, count: AttentionCount):
         super().__init__()
         self.count = count
-        self.live: dict[int, tuple[Any, tuple[int, ...]]] = {}  # id -> (weakref, shape of the softmax output)
+        self.live: dict[int, tuple[Any, str, tuple[int, ...]]] = {}  # id -> (weakref, kind, probabilities' shape)
 
-    def _marked(self, t: Any) -> tuple[int, ...] | None:
+    def _mark_of(self, t: Any) -> tuple[str, tuple[int, ...]] | None:
         if not isinstance(t, torch.Tensor):
             return None
         hit = self.live.get(id(t))
-        return hit[1] if hit is not None and hit[0]() is t else None
+        return (hit[1], hit[2]) if hit is not None and hit[0]() is t else None
 
-    def _mark(self, t: Any, shape: tuple[int, ...]) -> None:
+    def _mark(self, t: Any, kind: str, shape: tuple[int, ...]) -> None:
         import weakref
 
         if isinstance(t, torch.Tensor):
-            self.live[id(t)] = (weakref.ref(t), shape)
+            self.live[id(t)] = (weakref.ref(t), kind, shape)
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if name in _SOFTMAX or name == "softmax_":
+        leaves = pytree.tree_leaves((args, kwargs))
+        marks = [(t, m) for t, m in ((t, self._mark_of(t)) for t in leaves) if m is not None]
+        if name in _SOFTMAX:
             self.count.softmax += 1
-            if isinstance(out, torch.Tensor):
-                self._mark(out, tuple(out.shape))
-            return out
-        marked = [s for s in (self._marked(a) for a in pytree.tree_leaves((args, kwargs))) if s is not None]
-        if not marked:
+            if isinstance(out, torch.Tensor) and any(m[0] == SCORES for _, m in marks):
+                self._mark(out, PROBS, tuple(out.shape))
             return out
         if name in _PRODUCTS:
-            self.count.attention += 1
-            self.count.shapes.append(marked[0])
-        elif isinstance(out, torch.Tensor) and any(math.prod(s) == out.numel() for s in marked):
-            self._mark(out, marked[0])  # dropout, a cast, a view: still the probabilities
+            probs = [m for _, m in marks if m[0] == PROBS]
+            if probs:
+                self.count.attention += 1
+                self.count.shapes.append(probs[0][1])
+            else:
+                operands = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 2]
+                if len(operands) >= 2 and not any(isinstance(t, torch.nn.Parameter) for t in operands):
+                    self._mark(out, SCORES, ())
+            return out
+        if marks and isinstance(out, torch.Tensor):
+            kind = PROBS if any(m[0] == PROBS for _, m in marks) else SCORES
+            t, m = next((t, m) for t, m in marks if m[0] == kind)
+            if out.numel() == t.numel() or name in _REGROUPS or (kind == SCORES and out.numel() >= t.numel()):
+                self._mark(out, kind, m[1])  # scaled, masked, cast, dropped out, viewed: still the same
         return out
 
 
