@@ -133,8 +133,9 @@ class AttentionSpec:
             if self.window is not None:
                 parts.append(f"sliding window {self.window}")
             if self.conditions:
-                terms = "a run-time mask term" if self.conditions == 1 else f"{self.conditions} run-time mask terms"
-                parts.append(f"while {terms} hide no key (checked per call)")
+                terms = "a run-time mask term hides" if self.conditions == 1 \
+                    else f"{self.conditions} run-time mask terms hide"
+                parts.append(f"while {terms} no key (checked per call)")
         elif self.mask != "none" and self.fill_value is None:
             parts.append(f"{self.mask} mask")
         if self.fill_value is not None:

@@ -804,6 +804,11 @@ def test_unknown_ops_may_alias_and_known_fresh_ones_do_not() -> None:
         (g.call_function(torch.ops.aten.add_.Tensor, (x, y)), x, True),
         (g.call_function(torch.ops.aten.alias.default, (x,)), x, True),
         (g.call_function(lambda a: a, (x,)), x, True),  # unknown: may return its input
+        (g.call_method("copy_", (x, y)), x, True),  # an in-place method returns self ...
+        (g.call_method("copy_", (x, y)), y, False),  # ... and never its source
+        (g.call_method("set_", (x, y)), y, True),  # except set_, which makes self share the source's memory
+        (g.call_function(torch.ops.attnopt_tests.scaled, (x, 2.0)), x, False),  # a custom op: new memory
+        (g.call_function(torch.ops.attnopt_tests.halve_, (x,)), x, True),  # a custom op writing its argument
     ]
     for node, inp, want in cases:
         assert may_alias(node, inp) is want, (node.target, inp, want)
@@ -867,6 +872,83 @@ class WriteInGraphTensor(nn.Module):
 
 def test_a_write_to_a_tensor_made_in_the_graph_is_fine() -> None:
     assert _seeded(WriteInGraphTensor(), _sharing_inputs).rewritten == 1
+
+
+class CopyIntoFreshTensor(nn.Module):
+    """A cache-style ``fresh.copy_(src)`` in the window (a state cache filled from an input): the result is
+    the fresh tensor, so the write touches neither ``src`` nor anything the site reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("state", torch.zeros(B, H, T, D))
+
+    def forward(self, q, k, v, bias):
+        p = ((q @ kt(k)) * 0.25 + bias).softmax(-1)
+        cache = torch.zeros(B, H, T, D)
+        cache.copy_(v * self.state + k)
+        cache.add_(1.0)
+        return p @ v, cache
+
+
+def test_a_copy_into_a_fresh_tensor_writes_only_that_tensor() -> None:
+    # through dynamo only: symbolic_trace evaluates ``torch.zeros(...)`` once into a module constant, which
+    # is module state (and kept by every call), so there the write is rightly refused
+    report = _seeded(CopyIntoFreshTensor(), lambda: [x.clone() for x in _FIXED])
+    assert report.rewritten == 1, str(report)
+
+
+@torch.library.custom_op("attnopt_tests::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+@_scaled.register_fake
+def _(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("attnopt_tests::halve_", mutates_args=("x",))
+def _halve_(x: torch.Tensor) -> None:
+    x.mul_(0.5)
+
+
+@_halve_.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+class CustomOpResultWritten(nn.Module):
+    """A custom op (a mixture-of-experts kernel) returns new memory, even from module state: writing its
+    result in the window is fine."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(B, H, T, D))
+
+    def forward(self, q, k, v, bias):
+        p = ((q @ kt(k)) * 0.25 + bias).softmax(-1)
+        out = torch.ops.attnopt_tests.scaled(self.weight, 2.0)
+        out.add_(1.0)
+        return p @ v, out
+
+
+class CustomOpWritesTheBias(nn.Module):
+    """A custom op that mutates its argument writes the added bias in the window."""
+
+    def forward(self, q, k, v, bias):
+        s = (q @ kt(k)) * 0.25 + bias
+        torch.ops.attnopt_tests.halve_(bias)
+        return s.softmax(-1) @ (v + bias.sum())
+
+
+def test_a_custom_op_result_is_new_memory() -> None:
+    report = _seeded(CustomOpResultWritten(), lambda: [x.clone() for x in _FIXED])
+    assert report.rewritten == 1, str(report)
+
+
+def test_a_custom_op_that_mutates_the_bias_is_refused() -> None:
+    report = _seeded(CustomOpWritesTheBias(), lambda: [x.clone() for x in _FIXED])
+    assert_left_alone(report, "written in place")
 
 
 # factories that read only the scores' shape, dtype and device

@@ -756,6 +756,34 @@ def inplace_flag(user: fx.Node) -> bool:
     return default
 
 
+def _schemas(target: Any) -> list[Any]:
+    """The schemas of an ATen or custom op: one for an ``OpOverload``, every overload's for a packet
+    (``torch.ops.mylib.op``, resolved at call time); none for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        out = []
+        for name in target.overloads():
+            try:
+                out.append(getattr(target, name)._schema)
+            except (AttributeError, RuntimeError):
+                continue
+        return out
+    schema = getattr(target, "_schema", None)
+    return [schema] if schema is not None else []
+
+
+def _packet_fresh(packet: Any) -> bool:
+    """Every overload of an op packet (a custom op called as ``torch.ops.ns.op``) returns new tensors."""
+    verdicts = []
+    for name in packet.overloads():
+        try:
+            verdicts.append(_overload_fresh(getattr(packet, name)))
+        except (AttributeError, RuntimeError):
+            return False
+    return bool(verdicts) and all(v is True for v in verdicts)
+
+
 def _writes(user: fx.Node, node: fx.Node) -> bool:
     if user.kwargs.get("out") is node:
         return True  # torch.logical_and(keep, pad, out=keep)
@@ -770,8 +798,7 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
     if user.op == "call_function":
         if user.target is operator.setitem or user.target in _INPLACE_OPERATORS:
             return first  # x[...] = y; x &= y through another name (dynamo keeps the old name for aliases)
-        schema = getattr(user.target, "_schema", None)
-        if schema is not None:
+        for schema in _schemas(user.target):
             for i, a in enumerate(schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
@@ -890,6 +917,8 @@ def _fresh_result(user: fx.Node) -> bool:
         return not name.endswith("_") and not name.startswith("_") and _aten_fresh(name)
     if isinstance(t, torch._ops.OpOverload):
         return _overload_fresh(t) is True
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return _packet_fresh(t)
     try:
         if t in _FRESH_FUNCTIONS:
             return True
@@ -937,6 +966,8 @@ def may_alias(user: fx.Node, inp: Any, root: torch.nn.Module | None = None) -> b
     if not _tensor_node(inp) or not _tensor_node(user):
         return False  # a size, a number, a dtype: no memory to share
     first = _first_input(user) is inp
+    if _inplace_result_is_self(user):
+        return first  # ``x.copy_(src)`` returns x: the result is the written tensor, never ``src``
     if user.op == "call_module":
         if not first:
             return False
@@ -968,6 +999,21 @@ def may_alias(user: fx.Node, inp: Any, root: torch.nn.Module | None = None) -> b
                 return _passed_to_alias(user, inp)  # only the arguments the schema marks share memory
             return True
     return not _fresh_result(user)
+
+
+#: In-place methods whose result is not simply ``self`` with its own memory: ``set_`` makes ``self`` share the
+#: argument's storage.
+_INPLACE_THAT_SHARE = frozenset(("set_",))
+
+
+def _inplace_result_is_self(user: fx.Node) -> bool:
+    """``user`` is an in-place tensor method (``x.copy_(src)``, ``x.add_(y)``, ``x.masked_fill_(m, v)``):
+    it returns ``self``, so its result shares memory with ``self`` only, not with the other arguments."""
+    if user.op != "call_method":
+        return False
+    name = str(user.target)
+    return name.endswith("_") and not name.endswith("__") and not name.startswith("_") \
+        and name not in _INPLACE_THAT_SHARE and "out" not in user.kwargs
 
 
 def _passed_to_alias(user: fx.Node, inp: fx.Node) -> bool:
