@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 
 _REPORT_ATTR = "_attnopt_report"
 _SELECTOR_ATTR = "_attnopt_selector"
+#: The model as written, on the object ``optimize`` returns: ``OptimizedModule`` keeps it as a submodule,
+#: the generating copy (:func:`_generating_copy`) as a plain attribute (not in ``state_dict``).
+_ORIGINAL_ATTR = "_orig_mod"
 
 
 def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, verify: bool = False,
@@ -52,10 +56,21 @@ def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, 
             with ``variant="auto"`` candidates above it are not chosen.
         selector: a :class:`~attnopt.selection.selector.Selector` to use (e.g. with another cache or
             timer); by default one per optimized model, with the on-disk tuning cache.
+
+    A model with a ``generate`` method (Hugging Face's ``GenerationMixin``) gets a shallow copy of itself
+    instead, whose ``forward`` is ``torch.compile(model.forward, backend=<attnopt>)``: ``generate``
+    calls ``forward``, so ``opt.generate(...)`` runs the rewritten attention too (an ``OptimizedModule``
+    would forward ``generate`` to the model, which runs its own eager ``forward``). The copy is an
+    instance of the model's class and one module with it: parameters, buffers, submodules and hooks
+    are shared, ``state_dict()`` has the model's keys (no ``_orig_mod.`` prefix), ``opt._orig_mod`` is
+    the model, ``opt.train()``/``opt.eval()`` set the model's mode as well, and its forward always runs
+    with the model's own flags and attributes. ``copy.deepcopy(opt)`` and unpickling optimize a copy
+    of the model again, with the same options (and selector) and an empty report.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attnopt.optimize expects a torch.nn.Module, got {type(model).__name__}; "
                         "wrap a function in an nn.Module or use attnopt.rewrite on a GraphModule")
+    asked, given = variant, selector  # what a deep copy or an unpickled copy is optimized with again
     variant = _variant_from_env(variant)
     if memory_budget is not None and variant != "auto" and variant_override():
         raise ValueError(f"memory_budget needs variant='auto', but ATTNOPT_VARIANT={variant!r} is set in the "
@@ -69,10 +84,66 @@ def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, 
         selector = new_selector(config.memory_budget)
     report = Report()
     backend = functools.partial(attnopt_backend, config=config, report=report, selector=selector)
-    opt = torch.compile(model, backend=backend, dynamic=dynamic)
+    if callable(getattr(type(model), "generate", None)):
+        options = dict(variant=asked, compile=compile, verify=verify, dynamic=dynamic,
+                       memory_budget=memory_budget, selector=given)
+        opt = _generating_copy(model, torch.compile(model.forward, backend=backend, dynamic=dynamic), options)
+    else:
+        opt = torch.compile(model, backend=backend, dynamic=dynamic)
     object.__setattr__(opt, _REPORT_ATTR, report)
     object.__setattr__(opt, _SELECTOR_ATTR, selector)
     return opt
+
+
+def _generating_copy(model: nn.Module, forward: Callable[..., Any], options: dict[str, Any]) -> nn.Module:
+    """A shallow copy of ``model`` that runs ``forward`` (``model.forward`` compiled) for calls and ``generate``.
+
+    The copy's ``__dict__`` holds the same objects as the model's: the same ``_parameters``,
+    ``_buffers``, ``_modules`` and hook dictionaries, so a submodule, buffer or hook added through
+    either is seen by both, and ``state_dict()`` keys are the model's. ``forward`` is bound to the
+    model, so it reads the model's ``training`` flag and attributes; ``train(mode)`` (and ``eval()``,
+    which calls it) is set on the copy to change the model's mode along with the copy's own flag.
+    ``copy.deepcopy`` and ``pickle`` would keep ``forward`` bound to the original model (a function is
+    copied by reference), so both optimize the copied model again instead (:func:`_reoptimize`).
+    """
+    opt = type(model).__new__(type(model))
+    opt.__dict__.update(vars(model))
+    state = opt.__dict__
+    state.pop("_compiled_call_impl", None)  # model.compile(): it would call the model's own forward
+    state["forward"] = forward
+    state[_ORIGINAL_ATTR] = model
+    state["train"] = functools.partial(_train_together, opt)
+    state["__deepcopy__"] = functools.partial(_deepcopy_generating, model, options)
+    state["__reduce_ex__"] = functools.partial(_reduce_generating, model, options)
+    return opt
+
+
+def _train_together(opt: nn.Module, mode: bool = True) -> nn.Module:
+    """``opt.train(mode)`` of a generating copy: the model (its class's ``train``, children shared), then the copy."""
+    if not isinstance(mode, bool):
+        raise ValueError("training mode is expected to be boolean")
+    opt.__dict__[_ORIGINAL_ATTR].train(mode)
+    opt.training = mode
+    return opt
+
+
+def _deepcopy_generating(model: nn.Module, options: dict[str, Any], memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy(opt)``: a deep copy of the model, optimized with the same options (the same selector)."""
+    return _reoptimize(copy.deepcopy(model, memo), options)
+
+
+def _reduce_generating(model: nn.Module, options: dict[str, Any], protocol: int) -> tuple[Any, ...]:
+    """``pickle``/``copy.copy`` of a generating copy: the model and the options, optimized again when loaded."""
+    if options["selector"] is not None:
+        raise TypeError("a model optimized with selector=... cannot be pickled or copy.copy'd (a Selector holds "
+                        "locks): pickle opt._orig_mod, the model as written, and call attnopt.optimize on it after "
+                        "loading; copy.deepcopy(opt) keeps the selector")
+    return _reoptimize, (model, options)
+
+
+def _reoptimize(model: nn.Module, options: dict[str, Any]) -> nn.Module:
+    """``optimize(model, **options)``: how a deep-copied or unpickled generating copy is made again."""
+    return optimize(model, **options)
 
 
 def _variant_from_env(variant: str) -> str:
