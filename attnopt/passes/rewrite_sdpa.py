@@ -9,6 +9,11 @@ Emits, before the site's ``P @ V`` node::
     s    = 0.125 * attr_scale        # only for run-time numbers (float module attributes)
     out  = attnopt_site0(q1, k, v, mask, s, dropout_p, *guarded_buffers, scale_tensor=t0)  # t0: 0-d scales
 
+A mask that a causal proof with buffer guards replaces on every call where the guards hold (nanoGPT's
+``bias[:, :, :T, :T] == 0``) is not built per call: the nodes that compute it only for the site move into the
+site as ``mask_fn`` (a small GraphModule), the call passes their inputs (``mask_inputs=``), and the site builds
+the mask only on a call that needs it (:func:`defer_mask`).
+
 then redirects the users of ``P @ V`` to ``out``, hands readers of a removed node's dtype or shape alone
 (``x.type_as(s)``, ``mask.expand_as(s)``) q or a one-element stand-in of that shape, and removes the dead
 scores, probabilities and transposes. The ``AttentionSite`` module is added to the GraphModule, so ``gm.code``
@@ -26,7 +31,7 @@ import torch.fx as fx
 from ..runtime.guards import BufferGuard, ConditionGuard
 from ..runtime.site import AttentionSite, BoundedFillSite
 from ..spec import REWRITTEN
-from .canon import attr_value, dtype_of, is_call_input, is_zero_dim_tensor, meta_value, shape_of
+from .canon import attr_value, dtype_of, is_call_input, is_zero_dim_tensor, meta_value, shape_of, writes
 from .find_sites import Match, SizeOf, reads_only_dtype, reads_only_shape
 from .masks import Add, Fill
 
@@ -272,7 +277,7 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             extra = {"filled": filled} if filled is not None else {}
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor
-            new = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
+            new = call = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
             if m.zero_rows is not None:  # probabilities zeroed where the scores were hidden: such rows are zero
                 new = graph.call_function(zero_hidden_rows, (new, m.zero_rows))
             if m.v_transposed:
@@ -284,6 +289,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
         m.output.replace_all_uses_with(new)
         _detach_metadata_users(m)
         _erase_unused(gm, m.internal, set(m.internal))
+        if mask is not None and guards and m.sink is None:
+            defer_mask(gm, call, site)
         m.record.decision = REWRITTEN
         m.record.rewrite = candidate
         m.record.spec = m.spec
@@ -294,6 +301,72 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
 
 
 _PURE_MODULES = (torch.nn.Softmax, torch.nn.Dropout)
+
+
+def defer_mask(gm: fx.GraphModule, call: fx.Node, site: AttentionSite) -> bool:
+    """Move the computation of ``call``'s mask into ``site`` when a causal proof makes it unneeded.
+
+    For a site whose causal pattern is proven on guarded buffers only (no run-time mask term), the mask
+    tensor is read only on calls where a guard fails or the alignment needs it; building it every call
+    (a slice, ``== 0``, ``logical_not`` over ``Tq x Tk``) is the largest per-call cost the rewrite adds.
+    The nodes that compute the mask for this site alone (every user is another such node or the site's
+    mask argument; calls of functions and methods that write nothing) become ``site.mask_fn``, and the call
+    passes their inputs as ``mask_inputs``. Nothing in the graph between the first such node and the site
+    may write any tensor (else the mask, built later, could read a new value). Returns whether it moved.
+    """
+    if site.spec.causal is None or any(isinstance(g, ConditionGuard) for g in site.guards):
+        return False
+    mask = call.args[3]
+    if not isinstance(mask, fx.Node) or list(mask.users) != [call] or call.args.count(mask) != 1 \
+            or mask in call.kwargs.values():
+        return False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    moved: set[fx.Node] = set()
+
+    def movable(n: fx.Node) -> bool:
+        if n.op not in ("call_function", "call_method") or n.is_impure() or n.kwargs.get("out") is not None:
+            return False
+        if n.op == "call_method" and str(n.target).endswith("_"):
+            return False
+        if any(writes(n, t, gm) for t in n.all_input_nodes):
+            return False
+        return all(u in moved or (u is call and n is mask) for u in n.users)
+
+    # the mask's ancestors, latest first, so that every user of a node is decided before it
+    pending = [mask]
+    seen: set[fx.Node] = set()
+    while pending:
+        n = pending.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        pending.extend(n.all_input_nodes)
+    for n in sorted(seen, key=order.__getitem__, reverse=True):
+        if movable(n):
+            moved.add(n)
+    if mask not in moved:
+        return False
+    body = sorted(moved, key=order.__getitem__)
+    start, end = order[body[0]], order[call]
+    for w in gm.graph.nodes:
+        if start <= order[w] < end and w not in moved and w.op in ("call_function", "call_method", "call_module") \
+                and any(writes(w, t, gm) for t in w.all_input_nodes):
+            return False
+    leaves = list(dict.fromkeys(i for n in body for i in n.all_input_nodes if i not in moved))
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for leaf in leaves:
+        env[leaf] = sub.placeholder(leaf.name)
+        env[leaf].meta.update({k: v for k, v in leaf.meta.items() if k in ("val", "example_value", "tensor_meta")})
+    for n in body:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(env[mask])
+    site.mask_fn = fx.GraphModule(torch.nn.Module(), sub, class_name="DeferredMask")
+    call.args = (*call.args[:3], None, *call.args[4:])
+    call.kwargs = {**call.kwargs, "mask_inputs": tuple(leaves)}
+    for n in reversed(body):
+        gm.graph.erase_node(n)
+    return True
 
 
 def _detach_metadata_users(m: Match) -> None:

@@ -22,6 +22,8 @@ run-time numbers). The module
   :meth:`AttentionSite._hidden_rows_as_written`), or the whole call as written when those reach past
   half the queries. Rows filled with the dtype's minimum by ``masked_fill`` alone are the mean of v
   otherwise,
+* builds a deferred mask (``mask_fn(*mask_inputs)``, see :func:`attnopt.passes.rewrite_sdpa.defer_mask`) only on
+  calls that pass the mask tensor,
 * runs the candidate through the per-call dispatch it shares with the KV-cache site
   (:class:`~attnopt.runtime.dispatch.DispatchingSite`): the choice (fixed, or the selector's per shape
   key for ``candidate="auto"``), the check against the reference computation per shape key, the
@@ -79,7 +81,7 @@ class AttentionSite(DispatchingSite):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                 scale: float | None = None, dropout_p: float | None = None,
                 *guarded: torch.Tensor, filled: torch.Tensor | None = None,
-                scale_tensor: torch.Tensor | None = None) -> torch.Tensor:
+                scale_tensor: torch.Tensor | None = None, mask_inputs: tuple | None = None) -> torch.Tensor:
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
@@ -101,6 +103,8 @@ class AttentionSite(DispatchingSite):
             # a top-left window keeps key i in row i only for rows i < Tk; later rows take the mask tensor
             whole = spec.window is None or q.size(-2) <= k.size(-2)
             use_causal = aligned and whole and self._guards_hold(guarded, tracing)
+        if mask_inputs is not None and not use_causal:  # a deferred mask (passes/rewrite_sdpa.defer_mask)
+            mask = self.mask_fn(*mask_inputs)
         # dropout with p = 0 draws nothing (F.dropout is then the identity, exactly)
         dropout_active = p > 0 and (spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training))
         attn_mask = None if use_causal else mask
