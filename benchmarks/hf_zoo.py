@@ -564,14 +564,25 @@ SCORES, PROBS = "scores", "probs"
 class AttentionCount:
     """What :func:`count_attention` saw: softmax calls, and those that are attention.
 
-    A softmax is attention when its input derives from a product of two activations (``q @ k^T``: matmul,
-    bmm, baddbmm or einsum, no parameter among the operands; then scaled, masked, biased, soft-capped)
-    and its probabilities (cast, dropped out, viewed) are an operand of another product (``P @ V``).
+    A softmax is attention when it normalises over the last axis, its input derives from a product of two
+    activations (``q @ k^T``: matmul, bmm, baddbmm or einsum, no parameter among the operands; then scaled,
+    masked, biased, soft-capped) and its probabilities (cast, dropped out, viewed) are an operand of another product (``P @ V``).
     """
 
     softmax: int = 0
     attention: int = 0
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # the probabilities' shapes, per attention call
+
+
+def _over_last_axis(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    """The softmax normalises over the last axis (the keys); GroupViT's assignment normalises over the
+    queries (``dim=-2``), which no attention kernel computes."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if out.dim() == 0:
+        return False
+    if dim is None:  # F.softmax's legacy implicit axis
+        dim = 0 if out.dim() in (0, 1, 3) else 1
+    return isinstance(dim, int) and dim % out.dim() == out.dim() - 1
 
 
 class _Counter(TorchFunctionMode):
@@ -602,7 +613,8 @@ class _Counter(TorchFunctionMode):
         marks = [(t, m) for t, m in ((t, self._mark_of(t)) for t in leaves) if m is not None]
         if name in _SOFTMAX:
             self.count.softmax += 1
-            if isinstance(out, torch.Tensor) and any(m[0] == SCORES for _, m in marks):
+            if isinstance(out, torch.Tensor) and any(m[0] == SCORES for _, m in marks) and _over_last_axis(
+                    args, kwargs, out):
                 self._mark(out, PROBS, tuple(out.shape))
             return out
         if name in _PRODUCTS:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_transformers  # noqa: E402  (benchmarks/ is no package)
@@ -47,3 +48,27 @@ def _check(row: dict, entry: hf_zoo.ZooEntry, count: hf_zoo.AttentionCount) -> N
     assert row["equal"], f"{where}: {row.get('problems')}"
     assert row["fused"] == count.attention == row["site_calls"], f"{where}: ran {row['per_site']}"
     assert row["full"], f"{where}: {row}"
+
+
+class _Layer(torch.nn.Module):
+    """One module per way a softmax appears: attention, attention with a sink column, and two softmaxes
+    that are not attention (over the queries; over a projection of one activation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plain = (q @ k.transpose(-2, -1) * 0.3).softmax(-1) @ v
+        scores = torch.cat([q @ k.transpose(-2, -1), torch.zeros(*q.shape[:-1], 1)], dim=-1)
+        sink = torch.softmax(scores, dim=-1)[..., :-1] @ v
+        over_queries = (q @ k.transpose(-2, -1)).softmax(-2) @ v  # GroupViT's assignment
+        mixing = self.proj(q).softmax(-1) @ v[..., :4, :]  # hyper-connection weights: one activation, a parameter
+        return plain + sink + over_queries + mixing
+
+
+def test_the_sweep_counts_softmaxes_over_the_keys_of_two_activations_only() -> None:
+    q, k, v = (torch.randn(2, 4, 8) for _ in range(3))
+    count = hf_zoo.count_attention(_Layer(), {"q": q, "k": k, "v": v})
+    assert count.softmax == 4
+    assert count.attention == 2, count
