@@ -566,7 +566,8 @@ class AttentionCount:
 
     A softmax is attention when it normalises over the last axis, its input derives from a product of two
     activations (``q @ k^T``: matmul, bmm, baddbmm or einsum, no parameter among the operands; then scaled,
-    masked, biased, soft-capped) and its probabilities (cast, dropped out, viewed) are an operand of another product (``P @ V``).
+    masked, biased, soft-capped) and its probabilities (cast, dropped out, viewed) are an operand of another
+    product (``P @ V``).
     """
 
     softmax: int = 0

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from support import capture
 
 import attnopt
