@@ -7,10 +7,10 @@ Matches, for every softmax node, the chain around it in the canonical vocabulary
     scores  = product (* or / scalar)*        (scale after the product; a scale on q stays on q)
                       (masked_fill | where | + mask | * m + c * (1 - m))*   (masks, proven by passes/masks.py)
                       (cast | contiguous)*
-                      [cat([scores, sink], -1) [- rowmax]]   (an attention sink, dropped after the softmax)
+                      [cat([scores, sink], -1) [- rowmax] (cast)*]   (an attention sink, dropped after the softmax)
     probs   = softmax(scores, dim=last)       (any spelling, with or without dtype=)
               (cast | dropout | contiguous | [..., :-1] after a sink | masked_fill(m, 0) as before it)*
-    out     = probs @ v
+    out     = probs @ v [* sigmoid(logsumexp(scores, -1) - sink)]   (a sink as a scale of P @ V: one more key)
 
 and emits a :class:`Match` (the nodes to replace and the proven :class:`AttentionSpec`) or a
 near miss: a :class:`SiteRecord` whose ``reason`` names the first condition that failed.
@@ -27,8 +27,10 @@ variable names:
   product (or ``baddbmm``), again every intermediate with exactly one user; a ``masked_fill``/``where``
   fills a number, or a 0-d tensor built in the graph from one (``torch.full([], finfo.min)``); a blend
   ``scores * m + c * (1 - m)`` is a fill of ``c`` where a 0/1 factor ``m`` is 0; an attention sink's
-  concatenation (and a shift by the row maximum, which softmax ignores) is read here too; ``s + 0`` is no
-  step at all;
+  concatenation (and a shift by the row maximum, which softmax ignores, and casts of the concatenated
+  scores: Inkling2's ``cat([s, sinks], -1).float()``) is read here too, and so is a sink applied after
+  ``P @ V`` as ``* sigmoid(logsumexp(s, -1) - sink)`` (Granite-SWA; the scores' one other reader);
+  ``s + 0`` is no step at all;
 * *conversions keep every value*: only widening casts (or back to the compute dtype; v's on the
   probabilities);
 * *scale, score modifier, then masks*: the scale is a scalar; an elementwise modifier comes before
@@ -71,7 +73,7 @@ import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.fx as fx
@@ -128,6 +130,12 @@ class Match:
     #: attention-sink logits ``[..., Tq, 1]``: concatenated to the scores before the softmax, their column
     #: dropped after it (see :func:`attnopt.passes.rewrite_sdpa.sink_operands`)
     sink: fx.Node | None = None
+    #: the sink is a logit per row read from ``P @ V * sigmoid(logsumexp(s) - sink)`` (Granite-SWA), of
+    #: logsumexp's shape ``[..., Tq]``: its column is ``sink.unsqueeze(-1)``
+    sink_unsqueeze: bool = False
+    #: rows whose every score is ``-inf`` are NaN as written (``NaN * sigmoid(-inf)``), restored after the site
+    #: from its mask (the sink's key would give them zero)
+    sink_nan_rows: bool = False
     #: the condition of a ``masked_fill`` before the softmax whose keys the probabilities zero again after it
     #: (``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0)``): rows where it hides every key are zero
     zero_rows: fx.Node | None = None
@@ -554,6 +562,8 @@ class _Partial:
     # an attention sink: the probabilities lose one key column, the scores gained it by a concatenation
     sink_drop: str | None = None  # "first" | "last": the column the probabilities drop
     sink: fx.Node | None = None  # the sink logits concatenated to the scores, shape [..., Tq, 1]
+    sink_scale: fx.Node | None = None  # ``P @ V * sigmoid(logsumexp(s) - sink)``: the product, the site's output
+    sink_unsqueeze: bool = False  # that sink has logsumexp's shape [..., Tq] (keepdim=False)
     zeroed: fx.Node | None = None  # ``probs.masked_fill(cond, 0)`` after the softmax: its condition
     zero_cond: fx.Node | None = None  # the scores' own fill condition it was proven equal to
     match: Match | None = None
@@ -667,9 +677,10 @@ def _back_to_product(st: _Partial) -> None:
     post_spelling, record.spelling = record.spelling, []
     chain: list[tuple[str, Any]] = []  # collected backwards; reversed into program order below
     cur = st.scores_in
-    _only_user(cur, "attention scores", st.softmax)  # the softmax's own input: returned or stored elsewhere?
+    if not _lse_sink(st):  # (the sink scale of Granite-SWA reads the scores too)
+        _only_user(cur, "attention scores", st.softmax)  # the softmax's own input: returned or stored elsewhere?
     if st.sink_drop is not None:
-        cur = _sink_column(st, cur)
+        cur = _sink_column(st, cur, chain)
     while True:
         op = read(cur, st.gm)
         if op is None:
@@ -735,17 +746,20 @@ def _drops_one_key(index: Any, nd: int) -> str | None:
 _CATS = frozenset((torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default))
 
 
-def _sink_column(st: _Partial, cur: fx.Node) -> fx.Node:
+def _sink_column(st: _Partial, cur: fx.Node, chain: list[tuple[str, Any]]) -> fx.Node:
     """The scores behind an attention sink: ``cat([scores, sink], -1)`` (or ``[sink, scores]``, matching the
     column the probabilities drop), optionally shifted by its row maximum first (``c - c.max(-1,
-    keepdim=True).values``: softmax does not change under a shift, nor does its gradient). Records the sink
-    (``[..., Tq, 1]``, the scores' dtype) and returns the scores."""
+    keepdim=True).values``: softmax does not change under a shift, nor does its gradient), and converted
+    before the softmax (Inkling2's ``cat([scores, sinks], -1).float()``: a cast of the sink's column and the
+    scores alike, put on ``chain`` for *conversions keep every value*). Records the sink (``[..., Tq, 1]``, the
+    scores' dtype) and returns the scores."""
     nodes: list[fx.Node] = []
+    cur = _sink_casts(st, cur, chain, nodes)
     shift = _row_max_shift(cur)
     if shift is not None:
         nodes.extend((cur, *shift[1]))
         st.record.spelling.append("- rowmax")
-        cur = shift[0]
+        cur = _sink_casts(st, shift[0], chain, nodes)
     op_ok = cur.op == "call_function" and cur.target in _CATS
     parts = cur.args[0] if op_ok and cur.args else None
     dim = cur.kwargs.get("dim", cur.args[1] if len(cur.args) > 1 else 0) if op_ok else None
@@ -766,6 +780,111 @@ def _sink_column(st: _Partial, cur: fx.Node) -> fx.Node:
     st.s_shape = ss  # the scores' own shape: Tk keys, the sink's column aside
     _only_user(scores, "attention scores", cur)
     return scores
+
+
+_LOGSUMEXP = frozenset((torch.logsumexp, torch.ops.aten.logsumexp.default, "logsumexp"))
+
+
+def _is_logsumexp(node: fx.Node) -> bool:
+    try:
+        return node.op in ("call_function", "call_method") and node.target in _LOGSUMEXP
+    except TypeError:
+        return False
+
+
+def _lse_sink(st: _Partial) -> bool:
+    """A sink applied after ``P @ V`` as the scale ``sigmoid(logsumexp(s) - sink)`` (Granite-SWA,
+    modeling_granite_swa.py:111): True when the softmax's scores are also read by a ``logsumexp`` over their key
+    axis that is exactly that, recorded as an attention sink (one more key whose logit is ``sink``).
+
+    ``softmax(s) @ v * sigmoid(lse(s) - sink) = softmax(s) @ v * Z / (Z + exp(sink))`` with ``Z = exp(lse(s))``:
+    the product with values of ``softmax([s, sink])[..., :-1]``, and so are its gradients (one function of
+    ``s``, ``v`` and ``sink``). Proven: the scores are read by the softmax and that ``logsumexp`` alone; it is
+    ``lse - sink`` (not ``sink - lse``, which is ``1 -`` the scale) of lse's shape, then value-keeping casts,
+    ``sigmoid``, a trailing axis of 1 (unless ``keepdim=True``), casts to ``P @ V``'s dtype, and a product with
+    ``P @ V``, every step the only reader of the one before and ``P @ V`` read by that product alone, which keeps
+    its shape and dtype. False when no ``logsumexp`` reads the scores; a refusal naming what differs otherwise."""
+    s = st.scores_in
+    readers = [u for u in s.users if not reads_only_dtype(u, s) and not reads_only_shape(u, s)]
+    lse = next((u for u in readers if _is_logsumexp(u)), None)
+    if lse is None or st.sink_drop is not None or set(readers) != {st.softmax, lse} or st.pv is None:
+        return False
+
+    def refuse(why: str) -> NoReturn:
+        raise NearMiss(f"the attention scores are also read by `logsumexp`{_at(lse)}, which is not a sink scale "
+                       f"`(P @ V) * sigmoid(logsumexp(s, -1) - sink)`: {why}", LEFT_ALONE)
+
+    dim = lse.kwargs.get("dim", lse.args[1] if len(lse.args) > 1 else None)
+    keep = lse.kwargs.get("keepdim", lse.args[2] if len(lse.args) > 2 else False)
+    dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+    if lse.args[0] is not s or len(dims) != 1 or dims[0] not in (-1, st.nd - 1) or keep not in (True, False):
+        refuse("it is not over the key axis alone")
+    nodes = [lse]
+
+    def only(node: fx.Node) -> fx.Node:
+        users = [u for u in node.users if not reads_only_dtype(u, node) and not reads_only_shape(u, node)]
+        if len(users) != 1:
+            refuse(f"`{node.name}` is read {'nowhere' if not users else 'elsewhere too'}")
+        return users[0]
+
+    sub = only(lse)
+    sop = read(sub, st.gm)
+    if sop is None or sop.kind != "sub" or sop.args[0] is not lse or not isinstance(sop.args[1], fx.Node):
+        refuse("its only reader is not `logsumexp(s) - sink`")
+    sink, lse_shape, sink_shape = sop.args[1], shape_of(lse), shape_of(sop.args[1])
+    if lse_shape is None or sink_shape is None or len(sink_shape) > len(lse_shape) \
+            or not _same_shape(sub, lse) or not (dtype_of(sink) or torch.int64).is_floating_point \
+            or dtype_of(sub) != dtype_of(lse):
+        refuse(f"the sink `{sink.name}` is not a floating tensor broadcast against logsumexp's {list(lse_shape or ())}")
+    nodes.append(sub)
+    cur, sigmoid, unsqueezed = sub, False, bool(keep)
+    while True:
+        user = only(cur)
+        op = read(user, st.gm)
+        if op is None or op.args[0] is not cur and op.kind != "mul":
+            refuse(f"`{cur.name}` passes through `{getattr(user.target, '__name__', user.target)}`{_at(user)}")
+        if op.kind == "cast":
+            src, dst = dtype_of(cur), dtype_of(user)
+            if src is None or dst is None or not dst.is_floating_point \
+                    or not (holds_exactly(dst, src) or sigmoid and dst == dtype_of(st.pv)):
+                refuse(f"the sink scale is converted from {src} to {dst} by {op.spelling}{_at(user)}")
+        elif op.kind == "unary" and op.args[1] == "sigmoid" and not sigmoid:
+            sigmoid = True
+        elif op.kind == "view" and sigmoid and not unsqueezed and shape_of(user) is not None \
+                and _same_dims(tuple(shape_of(user)), (*shape_of(cur), 1)):  # type: ignore[misc]
+            unsqueezed = True  # any view that only appends an axis of 1
+        elif op.kind == "mul" and sigmoid and unsqueezed and st.pv in op.args[:2] and cur in op.args[:2] \
+                and op.args[0] is not op.args[1]:
+            break
+        else:
+            refuse(f"`{cur.name}` passes through {op.spelling}{_at(user)} (only casts, one sigmoid, a trailing "
+                   "axis of 1 and the product with P @ V are read)")
+        nodes.append(user)
+        cur = user
+    pv_readers = [u for u in st.pv.users if not reads_only_dtype(u, st.pv) and not reads_only_shape(u, st.pv)]
+    if pv_readers != [user]:
+        refuse(f"P @ V (`{st.pv.name}`) is read elsewhere too, unscaled")
+    if not _same_shape(user, st.pv) or dtype_of(user) != dtype_of(st.pv):
+        refuse(f"the scaled product{_at(user)} has another shape or dtype than P @ V")
+    st.internal.extend(nodes)
+    st.sink, st.sink_scale, st.sink_unsqueeze = sink, user, not keep
+    st.record.spelling.append("* sigmoid(logsumexp - sink)")
+    return True
+
+
+def _sink_casts(st: _Partial, cur: fx.Node, chain: list[tuple[str, Any]], nodes: list[fx.Node]) -> fx.Node:
+    """Back through conversions and copies of the concatenated scores (each the only reader of the one before):
+    the casts go on ``chain`` (checked with the scores' own by :func:`_check_casts`), the steps on ``nodes``."""
+    while True:
+        op = read(cur, st.gm)
+        if op is None or op.kind not in ("cast", "identity") or not isinstance(op.args[0], fx.Node):
+            return cur
+        if op.kind == "cast":
+            chain.append(("cast", cur))
+        st.record.spelling.append(op.spelling)
+        nodes.append(cur)
+        _only_user(op.args[0], "attention scores", cur)
+        cur = op.args[0]
 
 
 def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -1196,14 +1315,15 @@ def _assemble(st: _Partial) -> None:
     if plan.kind != "none":
         shape = "" if not plan.causal else ", causal" if plan.window is None else f", window {plan.window}"
         record.spelling.append(f"mask({plan.fill_spelling}{shape})")
-    st.internal.extend([st.softmax, st.pv])
-    st.match = Match(record=record, softmax=st.softmax, output=st.pv, q=st.q, k=st.k_src,
+    st.internal.extend([st.softmax, st.pv] + ([st.sink_scale] if st.sink_scale is not None else []))
+    st.match = Match(record=record, softmax=st.softmax, output=st.sink_scale or st.pv, q=st.q, k=st.k_src,
                      k_t=st.k_t if st.k is None else None, v=st.v_src, spec=spec, mask=plan,
                      scale_tensors=st.scale_tensors, scale_nodes=st.scale_nodes,
                      dropout_p=dropout[0] if runtime_p else None, dropout_module=st.dropout_module,
                      internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed,
                      q_relayout=st.relayouts[0], k_relayout=st.relayouts[1], v_relayout=st.relayouts[2],
-                     out_relayout=st.relayouts[3], sink=st.sink, zero_rows=st.zero_cond)
+                     out_relayout=st.relayouts[3], sink=st.sink, zero_rows=st.zero_cond,
+                     sink_unsqueeze=st.sink_unsqueeze, sink_nan_rows=st.sink_scale is not None and plan.nan_rows)
 
 
 def _no_write_in_window(st: _Partial) -> None:

@@ -80,6 +80,14 @@ def zero_hidden_rows(out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(hidden.all(-1, keepdim=True), 0.0)
 
 
+def nan_dead_rows(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``out`` with NaN in the rows whose every key ``mask`` hides (a bool keep-mask, or an additive one that is
+    ``-inf`` there): ``softmax(s) @ v * sigmoid(logsumexp(s) - sink)`` is ``NaN * 0`` in such rows as written,
+    where the sink as one more key gives zero."""
+    dead = ~mask.any(-1, keepdim=True) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1, keepdim=True)
+    return out.masked_fill(dead, float("nan"))
+
+
 def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, scale: float,
                   mask: torch.Tensor | None = None, causal: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -256,11 +264,14 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 scale = m.spec.scale
                 for factor, how in m.scale_nodes:
                     scale = graph.call_function(operator.mul if how == "mul" else operator.truediv, (scale, factor))
+            dead: fx.Node | None = None
             if m.sink is not None:  # one more key: the sink's logit in every row, a zero value
                 if scale_tensor is not None:  # folded into q here, so that the sink's column is not scaled
                     q, scale_tensor = graph.call_function(operator.mul, (q, scale_tensor)), None
                 structural = m.mask.causal == "top_left" and mask is None
-                widened = graph.call_function(sink_operands, (q, k, v, m.sink, m.spec.scale if scale is None
+                sink = graph.call_method("unsqueeze", (m.sink, -1)) if m.sink_unsqueeze else m.sink
+                dead = mask if m.sink_nan_rows else None  # the mask over the real keys, before the sink's
+                widened = graph.call_function(sink_operands, (q, k, v, sink, m.spec.scale if scale is None
                                                               else scale, mask, structural))
                 q, k, v, mask = (graph.call_function(operator.getitem, (widened, i)) for i in range(4))
                 scale = 1.0  # q comes back scaled
@@ -278,6 +289,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor
             new = call = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
+            if dead is not None:  # `NaN * sigmoid(-inf)` rows, as written
+                new = graph.call_function(nan_dead_rows, (new, dead))
             if m.zero_rows is not None:  # probabilities zeroed where the scores were hidden: such rows are zero
                 new = graph.call_function(zero_hidden_rows, (new, m.zero_rows))
             if m.v_transposed:
