@@ -241,3 +241,70 @@ def test_lse_look_alikes_are_left_alone() -> None:
         assert record.decision == "left alone" and "logsumexp" in record.reason and words in record.reason, \
             (body.__name__, record.reason)
 
+
+# ----------------------------------------------------------------------------- Flaubert / XLM: masked_fill_ in place
+
+class FlaubertFill(nn.Module):
+    """Flaubert (modeling_flaubert.py:150): the padding mask viewed and expanded to the scores' shape, filled in
+    place with the dtype's minimum, the softmax of an upcast, ``type_as`` the (written) scores."""
+
+    def __init__(self, upcast: torch.dtype = torch.float32):
+        super().__init__()
+        self.upcast = upcast
+
+    def forward(self, q, k, v, mask):
+        q = q / D ** 0.5
+        scores = torch.matmul(q, k.transpose(2, 3))
+        mask = (mask == 0).view(q.size(0), 1, 1, k.size(2)).expand_as(scores)
+        scores.masked_fill_(mask, torch.finfo(scores.dtype).min)
+        weights = nn.functional.softmax(scores.to(self.upcast), dim=-1).type_as(scores)
+        weights = nn.functional.dropout(weights, p=0.0, training=self.training)
+        return torch.matmul(weights, v)
+
+
+def _padded(b: int, t: int, dtype: torch.dtype, pad: int) -> list[torch.Tensor]:
+    q, k, v = (torch.randn(b, H, t, D, dtype=dtype) for _ in range(3))
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[-1, t - pad:] = 0  # right padding
+    return [q, k, v, mask]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flaubert_inplace_fill_reads_like_the_out_of_place_one(dtype: torch.dtype) -> None:
+    model = FlaubertFill(torch.float32 if dtype == torch.float32 else dtype)
+    opt = attnopt.optimize(model, variant="sdpa")
+    for b, t, pad in ((B, T, 3), (1, 5, 0), (3, 11, 4)):
+        _same(opt, model, _padded(b, t, dtype, pad), grads=3)
+    _rewritten(opt)
+
+
+def test_inplace_fills_that_are_not_the_scores_own_are_left_alone() -> None:
+    def read_before(self, q, k, v, mask):  # the scores' values are read before the write: a copy is kept
+        scores = q @ k.transpose(2, 3)
+        raw = scores * 1.0
+        scores.masked_fill_((mask == 0).view(q.size(0), 1, 1, -1), -1e4)
+        return torch.softmax(scores, -1) @ v + raw.sum()
+
+    def cond_written(self, q, k, v, mask):  # the condition is written after the fill, before P @ V
+        scores = q @ k.transpose(2, 3)
+        cond = (mask == 0).view(q.size(0), 1, 1, -1)
+        scores = scores.masked_fill(cond, -1e4)
+        p = torch.softmax(scores, -1)
+        cond.logical_not_()
+        return (p @ v).masked_fill(cond.view(q.size(0), 1, -1, 1)[:, :, : q.size(2)], 0.0)
+
+    def fill_not_constant(self, q, k, v, mask):  # the fill value is computed from an input
+        scores = q @ k.transpose(2, 3)
+        scores.masked_fill_((mask == 0).view(q.size(0), 1, 1, -1).expand_as(scores), v.detach().min())
+        return torch.softmax(scores, -1) @ v
+
+    cases = {read_before: "the attention scores are", cond_written: "written in place",
+             fill_not_constant: "masked_fill value"}
+    for body, words in cases.items():
+        model = Fn(body)
+        opt = attnopt.optimize(model)
+        inputs = _padded(B, T, torch.float32, 3)
+        torch.testing.assert_close(opt(*inputs), model(*inputs))
+        (record,) = attnopt.explain(opt).records
+        assert record.decision == "left alone" and words in record.reason, (body.__name__, record.reason)
+

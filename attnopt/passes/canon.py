@@ -645,14 +645,17 @@ def functionalize_inplace(gm: fx.GraphModule) -> int:
 
     ``s.div_(c)`` leaves later code reading ``s`` (dynamo keeps the name), so the data flow
     ``s -> div_ -> softmax`` is invisible in the graph. For a tensor that an out-of-place op
-    created (no other tensor can alias it) and that nobody read before the in-place call, the
-    later users are pointed at the in-place node, which returns the same tensor: values are
-    unchanged and the chain reads like functional code. Returns how many nodes were rewired.
+    created (no other tensor can alias it) and that nobody read before the in-place call (its shape
+    aside: ``mask.expand_as(s)``, ``s.size(-1)``), the later users are pointed at the in-place node,
+    which returns the same tensor: values are unchanged and the chain reads like functional code.
+    Returns how many nodes were rewired.
 
     Example::
 
         s = q @ kT; s.div_(8.0); p = s.softmax(-1)   ->   p = div_.softmax(-1)
     """
+    from .find_sites import reads_only_shape  # (find_sites builds on this module)
+
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = 0
     for node in list(gm.graph.nodes):
@@ -665,8 +668,10 @@ def functionalize_inplace(gm: fx.GraphModule) -> int:
         fresh = op is not None and op.kind in _FRESH_KINDS and src.op in ("call_function", "call_method")
         if not fresh:
             continue
-        if any(order[u] < order[node] for u in src.users if u is not node):
+        if any(order[u] < order[node] for u in src.users if u is not node and not reads_only_shape(u, src)):
             continue  # read before the mutation (maybe a view): leave the graph as it is
+        # (a reader of its shape alone, Flaubert's ``mask.view(...).expand_as(scores)``, neither sees the values
+        # nor holds a view of them)
         later = [u for u in src.users if u is not node and order[u] > order[node]]
         for u in later:
             u.replace_input_with(src, node)
