@@ -308,3 +308,60 @@ def test_inplace_fills_that_are_not_the_scores_own_are_left_alone() -> None:
         (record,) = attnopt.explain(opt).records
         assert record.decision == "left alone" and words in record.reason, (body.__name__, record.reason)
 
+
+# ----------------------------------------------------------------------------- what counts as an attention site
+
+def _hyper_connection(self, x, streams):
+    """DeepSeek-V4 / GLM5-Next (modeling_deepseek_v4.py:982): a mixing matrix from a projection, softmaxed, made
+    doubly stochastic and applied to the residual streams: a product after a softmax, but of projected features."""
+    n = streams.size(-2)
+    comb = nn.functional.linear(x.float(), self.w.float()).view(*x.shape[:-1], n, n)
+    comb = torch.softmax(comb * self.scale[0] + self.base.view(n, n), dim=-1) + 1e-6
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + 1e-6)
+    return torch.matmul(comb, streams)
+
+
+def _weight_scores(self, x, streams):
+    """Scores from a product with a (transposed) parameter, probabilities applied to activations."""
+    n = streams.size(-2)
+    return torch.softmax((x @ self.w.t()).view(*x.shape[:-1], n, n), dim=-1) @ streams
+
+
+def _attention_changed_after(self, x, streams):
+    """Real attention (two activations), the probabilities changed after the softmax: left alone, counted."""
+    p = torch.softmax(streams @ streams.transpose(-2, -1), dim=-1)
+    return (p + 1e-6) @ streams
+
+
+@pytest.mark.parametrize("body, decision", [(_hyper_connection, "not attention"), (_weight_scores, "not attention"),
+                                            (_attention_changed_after, "left alone")])
+def test_sites_count_softmaxes_of_a_product_of_two_activations(body, decision: str) -> None:
+    n, d = 4, 16
+    model = Fn(body, w=torch.randn(n * n, d), base=torch.randn(n * n), scale=torch.randn(3))
+    opt = attnopt.optimize(model)
+    x, streams = torch.randn(B, T, d), torch.randn(B, T, n, d)
+    torch.testing.assert_close(opt(x, streams), model(x, streams))
+    report = attnopt.explain(opt)
+    (record,) = report.records
+    assert record.decision == decision, record.reason
+    if decision == "not attention":
+        assert "0 of 0 attention site" in str(report), str(report)
+
+
+def test_chunked_probabilities_are_attention_left_alone() -> None:
+    """Longformer's layout (modeling_longformer.py:820): the probabilities transposed out of the softmax's layout and
+    padded on their way to the product with values: an attention layer (counted), not rewritten."""
+    def chunked(self, q, k, v):
+        p = torch.softmax(torch.einsum("bthd,bshd->bths", q, k), dim=-1)  # (B, T, H, S)
+        p = nn.functional.pad(p.transpose(1, 2), (0, 1))[..., :-1]  # (B, H, T, S)
+        return p @ v
+
+    model = Fn(chunked)
+    opt = attnopt.optimize(model)
+    q, k = torch.randn(B, T, H, D), torch.randn(B, T, H, D)
+    v = torch.randn(B, H, T, D)
+    torch.testing.assert_close(opt(q, k, v), model(q, k, v))
+    report = attnopt.explain(opt)
+    (record,) = report.records
+    assert record.decision == "left alone" and "re-laid out by .transpose()" in record.reason, record.reason
+    assert "0 of 1 attention site" in str(report), str(report)

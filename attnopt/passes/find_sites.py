@@ -83,6 +83,7 @@ from ..spec import LEFT_ALONE, NOT_ATTENTION, AttentionSpec, ElementwiseScoreMod
 from .canon import (
     Op,
     alias_group,
+    attr_value,
     convert_scalar,
     dtype_of,
     functionalize_inplace,
@@ -625,6 +626,10 @@ def _forward_to_pv(st: _Partial) -> None:
             cur = user
         elif op.kind == "matmul":
             _pv(st, cur, user, op)
+        elif op.kind in ("transpose", "permute"):
+            raise NearMiss(f"the probabilities are re-laid out by {op.spelling}{_at(user)} (not a swap of the query "
+                           "and key axes) before the product with values; only P @ V (or v^T @ P^T) in the "
+                           "softmax's layout is read, not a chunked one (Longformer's sliding window)", NOT_ATTENTION)
         else:
             raise NearMiss(f"the probabilities are changed by {op.spelling}{_at(user)} after the softmax "
                            "(a mask or product after the softmax without renormalising)",
@@ -1368,21 +1373,38 @@ def match_site(gm: fx.GraphModule, softmax: fx.Node, concrete: dict[fx.Node, tor
     try:
         return _match(gm, softmax, concrete, record)
     except NearMiss as e:
-        # an attention layer that is not rewritten still counts among the sites ("N of M rewritten")
-        record.decision = LEFT_ALONE if e.decision == NOT_ATTENTION and feeds_value_product(gm, softmax) \
-            else e.decision
+        # an attention layer that is not rewritten still counts among the sites ("N of M rewritten"); a softmax
+        # of anything but a product of two activations, or whose probabilities reach no product, does not
+        attention = feeds_value_product(gm, softmax) and scores_from_activations(gm, softmax)
+        record.decision = LEFT_ALONE if attention else NOT_ATTENTION if e.decision == LEFT_ALONE else e.decision
         record.reason = str(e)
         return record
 
 
-#: Ops between the probabilities and their product with values that keep them the attention's weights.
+#: Ops between the probabilities and their product with values that keep them the attention's weights (or
+#: change them elementwise: ``(p + eps) @ v`` is still an attention layer, left alone).
 _ON_THE_WAY = frozenset(("cast", "identity", "view", "dropout", "scale", "masked_fill", "where", "transpose",
-                         "permute", "getitem"))
+                         "permute", "getitem", "add", "sub", "mul", "div", "unary"))
 
 
-def feeds_value_product(gm: fx.GraphModule, softmax: fx.Node, depth: int = 8) -> bool:
+#: Ops that regroup the probabilities into another layout (Longformer's chunked ``F.pad`` and ``as_strided``).
+_REGROUPS = frozenset((torch.nn.functional.pad, torch._C._nn.pad, torch.cat, torch.concat, torch.as_strided,
+                       torch.narrow, torch.ops.aten.constant_pad_nd.default, torch.ops.aten.as_strided.default,
+                       "as_strided", "narrow", "unfold", "expand", "expand_as", "repeat", "repeat_interleave"))
+
+
+def _regroups(node: fx.Node) -> bool:
+    try:
+        return node.op in ("call_function", "call_method") and node.target in _REGROUPS
+    except TypeError:
+        return False
+
+
+def feeds_value_product(gm: fx.GraphModule, softmax: fx.Node, depth: int = 16) -> bool:
     """``softmax`` is over the last axis and its output reaches a product (``@``, ``bmm``, ``einsum``,
-    ``baddbmm``) through casts, views, dropout, fills or slices: an attention layer, rewritten or not."""
+    ``baddbmm``) through casts, views, dropout, fills, slices, regroupings (``F.pad``, ``as_strided``) or
+    elementwise arithmetic: with scores from a product of two activations (:func:`scores_from_activations`), an
+    attention layer, rewritten or not."""
     sm, shape = read(softmax, gm), shape_of(softmax)
     if sm is None or shape is None or sm.args[1] != len(shape) - 1:
         return False
@@ -1391,11 +1413,93 @@ def feeds_value_product(gm: fx.GraphModule, softmax: fx.Node, depth: int = 8) ->
         later = []
         for node in frontier:
             for user in node.users:
-                op = read(user, gm)
-                if op is not None and op.kind in ("matmul", "baddbmm"):
+                if _product_operands(gm, user) is not None:
                     return True
-                if op is not None and op.kind in _ON_THE_WAY:
+                op = read(user, gm)
+                if op is not None and op.kind in _ON_THE_WAY or _regroups(user):
                     later.append(user)
+        frontier = later
+    return False
+
+
+#: Ops that project their input with weights (``F.linear``, convolutions, embeddings): scores computed by one are
+#: no product of two activations, whatever their input was.
+_PROJECTIONS = frozenset(f for f in (
+    torch.nn.functional.linear, torch.nn.functional.bilinear, torch.nn.functional.embedding, torch.addmm,
+    torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d, torch.conv1d, torch.conv2d,
+    torch.conv3d, torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.embedding.default,
+    torch.ops.aten.convolution.default) if f is not None)
+
+
+def _is_parameter(gm: fx.GraphModule, x: Any, depth: int = 6) -> bool:
+    """``x`` is a parameter, or computed from parameters (and constants) alone: ``self.w.t()``, ``self.fn.float()``."""
+    if not isinstance(x, fx.Node) or depth < 0:
+        return False
+    if x.op == "placeholder":
+        return isinstance(x.meta.get("example_value", x.meta.get("val")), torch.nn.Parameter)
+    if x.op == "get_attr":
+        return isinstance(attr_value(gm, str(x.target)), torch.nn.Parameter)
+    inputs = x.all_input_nodes
+    return x.op in ("call_function", "call_method") and bool(inputs) and all(
+        _is_parameter(gm, n, depth - 1) for n in inputs)
+
+
+def _projects(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``node`` applies weights to its input: a projection (or a call of a module that holds parameters)."""
+    if node.op == "call_module":
+        try:
+            return any(True for _ in gm.get_submodule(str(node.target)).parameters())
+        except AttributeError:
+            return False
+    try:
+        return node.op == "call_function" and node.target in _PROJECTIONS
+    except TypeError:
+        return False
+
+
+_PRODUCT_TARGETS = frozenset((torch.matmul, torch.bmm, torch.mm, torch.einsum, operator.matmul, "matmul", "bmm",
+                              "mm", "__matmul__", torch.ops.aten.bmm.default, torch.ops.aten.mm.default,
+                              torch.ops.aten.einsum.default))
+
+
+def _product_operands(gm: fx.GraphModule, node: fx.Node) -> list[Any] | None:
+    """The tensor operands of ``node`` when it is a product (any ``einsum`` layout included), else None."""
+    op = read(node, gm)
+    if op is not None and op.kind in ("matmul", "baddbmm"):
+        return list(op.args[:2] if op.kind == "matmul" else op.args[1:3])
+    try:
+        if node.op not in ("call_function", "call_method") or node.target not in _PRODUCT_TARGETS:
+            return None
+    except TypeError:
+        return None
+    args = node.args[1:] if node.target in (torch.einsum, torch.ops.aten.einsum.default) else node.args
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = args[0]
+    return [a for a in args if isinstance(a, fx.Node)]
+
+
+def scores_from_activations(gm: fx.GraphModule, softmax: fx.Node, depth: int = 32) -> bool:
+    """The softmax's input is computed from a product (``@``, ``bmm``, ``einsum``, ``baddbmm``) of two activations,
+    neither a parameter: what makes a softmax attention rather than a gate or router over projected features
+    (DeepSeek-V4's hyper-connection ``softmax(F.linear(x, fn) * scale + base)``).
+
+    Searches back from the scores through any op but a projection (``F.linear``, a convolution, an embedding, a
+    module with parameters, a product with a parameter), never into parameters, ``depth`` steps at most."""
+    frontier = [x for x in softmax.all_input_nodes]
+    seen: set[fx.Node] = set()
+    for _ in range(depth):
+        later: list[fx.Node] = []
+        for node in frontier:
+            if node in seen or node.op in ("placeholder", "get_attr", "output") or _is_parameter(gm, node):
+                continue
+            seen.add(node)
+            operands = _product_operands(gm, node)
+            if operands is not None:
+                if len(operands) == 2 and not any(_is_parameter(gm, x) for x in operands):
+                    return True
+                continue  # a product with weights: a projection
+            if not _projects(gm, node):
+                later.extend(node.all_input_nodes)
         frontier = later
     return False
 
@@ -1954,4 +2058,5 @@ def find_sites(gm: fx.GraphModule, concrete: dict[fx.Node, torch.Tensor] | None 
 
 
 __all__ = ["REFUSALS", "RULES", "Layout", "Match", "NearMiss", "SizeOf", "feeds_value_product", "find_sites",
-           "fold_view", "match_site", "promoted_mask", "reads_only_shape", "relayout"]
+           "fold_view", "match_site", "promoted_mask", "reads_only_shape", "relayout",
+           "scores_from_activations"]
