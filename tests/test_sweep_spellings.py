@@ -365,3 +365,53 @@ def test_chunked_probabilities_are_attention_left_alone() -> None:
     (record,) = report.records
     assert record.decision == "left alone" and "re-laid out by .transpose()" in record.reason, record.reason
     assert "0 of 1 attention site" in str(report), str(report)
+
+
+# ----------------------------------------------------------------------------- MiMo-V2: the row maximum subtracted
+
+class RowMaxShift(nn.Module):
+    """MiMo-V2-Flash (modeling_mimo_v2_flash.py:322) without a sink: ``w - w.max(-1, keepdim=True).values``
+    before the softmax, which changes neither the probabilities nor their gradients."""
+
+    def __init__(self, how: str = "values"):
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v, mask):
+        w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + mask
+        if self.how == "values":
+            w = w - w.max(dim=-1, keepdim=True).values
+        elif self.how == "amax_detached":
+            w = w - torch.amax(w, -1, keepdim=True).detach()
+        elif self.how == "over_queries":  # a maximum per key: not a shift of each row
+            w = w - w.max(dim=-2, keepdim=True).values
+        else:  # the maximum also returned: read elsewhere
+            m = w.max(dim=-1, keepdim=True).values
+            return torch.softmax(w - m, dim=-1) @ v, m
+        return torch.softmax(w, dim=-1, dtype=w.dtype) @ v
+
+
+def _shift_inputs(b: int, t: int, dtype: torch.dtype, pad: int = 0) -> list[torch.Tensor]:
+    q, k, v = (torch.randn(b, H, t, D, dtype=dtype) for _ in range(3))
+    return [q, k, v, _inkling_inputs(b, t, dtype, pad)[-1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("how", ["values", "amax_detached"])
+def test_the_row_maximum_subtracted_is_no_change(dtype: torch.dtype, how: str) -> None:
+    model = RowMaxShift(how).to(dtype)
+    opt = attnopt.optimize(model, variant="sdpa")
+    for b, t, pad in ((B, T, 0), (1, 5, 2), (3, 11, 4)):  # left padding: rows of the dtype's minimum
+        _same(opt, model, _shift_inputs(b, t, dtype, pad), grads=4)
+    _rewritten(opt)
+    assert "- rowmax" in " ".join(attnopt.explain(opt).records[0].spelling)
+
+
+@pytest.mark.parametrize("how", ["over_queries", "returned"])
+def test_shifts_that_are_not_the_row_maximum_are_left_alone(how: str) -> None:
+    model = RowMaxShift(how)
+    opt = attnopt.optimize(model, variant="sdpa")
+    inputs = _shift_inputs(B, T, torch.float32)
+    out, ref = opt(*inputs), model(*inputs)
+    torch.testing.assert_close(out, ref)
+    _left_alone(opt, "the scores pass through sub")

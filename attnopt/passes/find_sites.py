@@ -686,6 +686,12 @@ def _back_to_product(st: _Partial) -> None:
         _only_user(cur, "attention scores", st.softmax)  # the softmax's own input: returned or stored elsewhere?
     if st.sink_drop is not None:
         cur = _sink_column(st, cur, chain)
+    else:
+        shift = _row_max_shift(cur)  # ``s - s.max(-1, keepdim=True).values`` (MiMo-V2): softmax is shift-invariant
+        if shift is not None:
+            st.internal.extend((cur, *shift[1]))
+            record.spelling.append("- rowmax")
+            cur = shift[0]
     while True:
         op = read(cur, st.gm)
         if op is None:
