@@ -102,6 +102,21 @@ def cached_step_times(lm: attnopt.generation.CachedLM, prompt: torch.Tensor, new
     return times
 
 
+def weight_read_s(model: torch.nn.Module, repeats: int) -> float:
+    """Seconds of one pass that reads every weight matrix a decode step multiplies by once (a one-row
+    ``F.linear`` per matrix, each tensor once even when tied): the floor of a step that is bound by memory."""
+    mats = list({id(m.weight): m.weight for m in model.modules()
+                 if isinstance(m, torch.nn.Linear)}.values())
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in mats}
+
+    def gemv() -> None:
+        for w in mats:
+            torch.nn.functional.linear(rows[w.shape[1]], w)
+
+    with torch.no_grad():
+        return time_alternating({"gemv": gemv}, (), repeats=repeats, warmup=3)["gemv"]
+
+
 def single(args: argparse.Namespace) -> dict[str, Any]:
     model, prompt = build(args)
     start = time.perf_counter()
@@ -136,9 +151,10 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
         plain = time_alternating({"plain": lambda s=seq: model(s)}, (), repeats=args.rounds, warmup=1)["plain"]
         rows.append({"position": pos, "cached_ms": 1e3 * statistics.median(window), "plain_ms": 1e3 * plain})
     lm.prefill(prompt)
-    return {"same_tokens": same, "first_s": first_s, "capture_s": capture_s, "compile_s": compile_s,
-            "medians": medians, "steps": rows, "bytes_per_token": lm.bytes_per_token, "cache_bytes": lm.cache_bytes,
-            "max_len": lm.max_len, "sites": len(lm.sites)}
+    weights = weight_read_s(model, max(20, 4 * args.rounds))
+    return {"weight_read_ms": 1e3 * weights, "same_tokens": same, "first_s": first_s, "capture_s": capture_s,
+            "compile_s": compile_s, "medians": medians, "steps": rows, "bytes_per_token": lm.bytes_per_token,
+            "cache_bytes": lm.cache_bytes, "max_len": lm.max_len, "sites": len(lm.sites)}
 
 
 def hf_gpt2(args: argparse.Namespace) -> Any:
@@ -229,6 +245,12 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
             steps, headers=["position", "cached step ms", "plain step ms", "plain / cached"], tablefmt="github")
             + f"\n\nCached step at position {res['steps'][-1]['position']} / at {res['steps'][0]['position']}: "
               f"{last / first:.2f}x.")
+    if steps and res.get("weight_read_ms"):
+        mid = statistics.median(r["cached_ms"] for r in res["steps"])
+        out.append(f"Reading every weight matrix once (a one-row `F.linear` per matrix, "
+                   f"{res['weight_read_ms']:.2f} ms) is the floor of a decode step bound by memory: the cached "
+                   f"step (median over the positions above, {mid:.2f} ms) is "
+                   f"**{mid / res['weight_read_ms']:.2f}x** it (target <= 1.5x).")
     out.append("#### Cache memory\n\n" + tabulate(mem, headers=["", ""], tablefmt="github"))
     return out
 

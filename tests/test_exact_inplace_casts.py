@@ -18,6 +18,8 @@ symbolic_trace can follow it, ``attnopt.rewrite(symbolic_trace(model), inputs)``
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
@@ -1003,3 +1005,79 @@ def test_reads_only_dtype_on_like_factories() -> None:
           g.call_function(torch.add, (s, 1))]
     assert all(reads_only_dtype(n, s) for n in yes)
     assert not any(reads_only_dtype(n, s) for n in no)
+
+
+# writes a schema or a name shows only through a list, a tuple of outputs, or an op whose schema hides a view
+@torch.library.custom_op("attnopt_tests::scale_all_", mutates_args=["xs"])
+def _scale_all_(xs: list[torch.Tensor]) -> None:
+    for x in xs:
+        x.mul_(3.0)
+
+
+@_scale_all_.register_fake
+def _(xs: list[torch.Tensor]) -> None:
+    return None
+
+
+HIDDEN_WRITES = {
+    "foreach": lambda k: torch._foreach_mul_([k], 3.0),
+    "custom_op_list": lambda k: torch.ops.attnopt_tests.scale_all_([k]),
+    "unsafe_split": lambda k: torch.unsafe_split(k, 4, -1)[0].mul_(3.0),
+    "unsafe_split_method": lambda k: k.unsafe_split(4, -1)[1].mul_(3.0),
+    "aten_unsafe_view": lambda k: torch.ops.aten._unsafe_view.default(k, [-1]).mul_(3.0),
+    "aten_unsafe_split": lambda k: torch.ops.aten.unsafe_split.Tensor(k, 4, -1)[0].mul_(3.0),
+    "dequantize": lambda k: k.dequantize().mul_(3.0),
+}
+
+
+class HiddenWrite(nn.Module):
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+
+    def forward(self, q, k, v):
+        k = k * 1.0
+        p = ((q @ kt(k)) * 0.25).softmax(-1)
+        self.write(k)  # as written, p was computed from the old k
+        return p @ k
+
+
+@pytest.mark.parametrize("name", list(HIDDEN_WRITES))
+def test_writes_through_lists_and_unannotated_views_are_seen(name: str) -> None:
+    assert_left_alone(_seeded(HiddenWrite(HIDDEN_WRITES[name]), lambda: [x.clone() for x in _FIXED[:3]]),
+                      "written in place")
+
+
+class SortOutTuple(nn.Module):
+    def forward(self, q, k, v):
+        k = k * 1.0
+        p = ((q @ kt(k)) * 0.25).softmax(-1)
+        torch.sort(q * 1.0, dim=-1, out=(k, torch.empty(k.shape, dtype=torch.long)))
+        return p @ k
+
+
+def test_a_tuple_of_outputs_is_a_write_of_each() -> None:
+    assert_left_alone(_seeded(SortOutTuple(), lambda: [x.clone() for x in _FIXED[:3]], rewrite=True),
+                      "written in place")
+
+
+class BufferResetAfterTheMask(nn.Module):
+    """The causal buffer is zeroed (through a list) after the mask was built from it: the mask as built is the
+    one the attention uses, so it must not be rebuilt later from the zeroed buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(T, T)).view(1, 1, T, T))
+
+    def forward(self, q, k, v):
+        mask = self.bias[:, :, :T, :T] == 0
+        torch._foreach_mul_([self.bias], 0.0)
+        return ((q @ kt(k)) * 0.25).masked_fill(mask, NEG).softmax(-1) @ v
+
+
+def test_a_buffer_written_through_a_list_after_its_mask_is_built() -> None:
+    model = BufferResetAfterTheMask().eval()
+    written = copy.deepcopy(model)  # each call zeroes its own buffer: one copy for each side
+    opt = attnopt.optimize(model, variant="sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*_FIXED[:3]), written(*_FIXED[:3]))

@@ -789,9 +789,14 @@ def _packet_fresh(packet: Any) -> bool:
     return bool(verdicts) and all(v is True for v in verdicts)
 
 
+def _holds(value: Any, node: fx.Node) -> bool:
+    """``value`` is ``node`` or a list/tuple holding it (``torch._foreach_mul_([k], 2)``, ``out=(values, idx)``)."""
+    return value is node or isinstance(value, (list, tuple)) and any(v is node for v in value)
+
+
 def _writes(user: fx.Node, node: fx.Node) -> bool:
-    if user.kwargs.get("out") is node:
-        return True  # torch.logical_and(keep, pad, out=keep)
+    if _holds(user.kwargs.get("out"), node):
+        return True  # torch.logical_and(keep, pad, out=keep); torch.sort(x, out=(values, indices))
     if user.op in ("call_function", "call_method") and _first_input(user) is node and inplace_flag(user):
         return True  # F.relu(x, True), F.hardtanh(x, -1, 1, True), F.dropout(x, p, True, True)
     first = bool(user.args) and user.args[0] is node
@@ -807,12 +812,13 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
             for i, a in enumerate(schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
-                    if value is node:
-                        return True
+                    if _holds(value, node):
+                        return True  # a mutated argument, or a tensor in a mutated list (``Tensor(a!)[]``)
         if getattr(user.target, "__module__", None) in ("_operator", "operator"):
             return False  # operator.and_/or_ are `&`/`|`, not in-place methods
         name = getattr(user.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_") and bool(user.args) and user.args[0] is node
+        # torch.relu_(x); torch._foreach_mul_([k], 2.0): the first argument (or a tensor of it) is written
+        return name.endswith("_") and not name.endswith("__") and bool(user.args) and _holds(user.args[0], node)
     return False
 
 
@@ -876,9 +882,18 @@ _TORCH_NAMESPACES = ("torch", "torch._C._VariableFunctions", "torch._C._nn", "to
 _FRESH_CACHE: dict[Any, bool] = {}
 
 
+#: ATen ops that return a view or the input itself although their schema says nothing (``unsafe_split``,
+#: ``_unsafe_view``; ``dequantize`` of a float tensor is the tensor).
+def _schema_lies(name: str) -> bool:
+    base = name.split("::")[-1].split(".")[0]
+    return "unsafe" in base or base in ("dequantize", "_reshape_alias", "_reshape_copy_alias")
+
+
 def _overload_fresh(op: Any) -> bool | None:
     """True: ``op`` returns new tensors; False: it may return an alias of an input; None: not a tensor op."""
     schema = op._schema
+    if _schema_lies(schema.name):
+        return False
     if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return None  # an in-place or out= variant: a write, seen by `writes`
     try:
@@ -992,6 +1007,8 @@ def may_alias(user: fx.Node, inp: Any, root: torch.nn.Module | None = None) -> b
         if listed or user.target is getattr:
             return first  # x.T, x.mT, x.data
         if isinstance(user.target, torch._ops.OpOverload):
+            if _schema_lies(user.target._schema.name):
+                return True  # aten._unsafe_view, aten.unsafe_split: a view whose schema does not say so
             verdict = _overload_fresh(user.target)
             op = read(user)
             if verdict is True or (op is not None and op.kind in _FRESH_RESULT_KINDS):

@@ -19,6 +19,10 @@ import torch.fx as fx
 from ..kernels.bands import band_pattern, window_keep
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout
+from .guards import is_tracing
+
+#: Whether a profiler records: the site's range is only opened then (or while traced).
+_profiling = torch._C._autograd._profiler_enabled
 
 aten = torch.ops.aten
 
@@ -122,8 +126,12 @@ class KVCacheAttention(DispatchingSite):
         q, keys, values, lead = candidate_layout(q, keys, values)
         if mask is not None:
             mask = mask.reshape((1,) * max(0, 4 - mask.dim()) + mask.shape)
-        with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
-            out = self.run_candidate(q, keys, values, dict(kwargs, attn_mask=mask, is_causal=causal))
+        kwargs = dict(kwargs, attn_mask=mask, is_causal=causal)
+        if _profiling() or is_tracing(q):  # the site's range, only while a profiler records or a graph is traced
+            with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
+                out = self.run_candidate(q, keys, values, kwargs)
+        else:
+            out = self.run_candidate(q, keys, values, kwargs)
         return out.reshape(out.shape[lead:]) if lead else out
 
     def _allocate(self, k: torch.Tensor, v: torch.Tensor, lead: tuple[int, ...], zeros: bool) -> None:
