@@ -1,5 +1,8 @@
 """Shared test setup: hypothesis profiles, a fresh dynamo per test, a fixed torch seed per test.
 
+Under pytest-xdist (``-n 2``, what CI runs) each worker runs torch on one thread and sends the property
+tests' spelling combinations to the controller, which reports them.
+
 Profiles: ``ci`` (deterministic, ~25 examples per property; the default and whenever ``CI`` is
 set) and ``dev`` (more, random examples): ``ATTNOPT_HYPOTHESIS=dev pytest tests/test_properties.py``.
 """
@@ -45,10 +48,41 @@ def _private_tuning_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     monkeypatch.delenv("ATTNOPT_VARIANT", raising=False)
 
 
+def _exercised() -> dict[str, set] | None:
+    mod = sys.modules.get("test_properties") or sys.modules.get("tests.test_properties")
+    return getattr(mod, "EXERCISED", None)
+
+
+#: Spelling combinations the pytest-xdist workers exercised (each worker sends its own at its end).
+_FROM_WORKERS: dict[str, set] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker runs torch on one thread: the workers share the machine's cores."""
+    if hasattr(config, "workerinput"):
+        torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker: hand the property tests' combinations to the controller (as reprs)."""
+    out = getattr(session.config, "workeroutput", None)
+    exercised = _exercised()
+    if out is not None and exercised:
+        out["attnopt_exercised"] = {k: [[repr(x) for x in c] for c in v] for k, v in exercised.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ARG001 - a pytest-xdist hook
+    for name, combos in getattr(node, "workeroutput", {}).get("attnopt_exercised", {}).items():
+        _FROM_WORKERS.setdefault(name, set()).update(tuple(c) for c in combos)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     """Report how many distinct spelling combinations the property tests exercised."""
-    mod = sys.modules.get("test_properties") or sys.modules.get("tests.test_properties")
-    exercised = getattr(mod, "EXERCISED", None)
+    exercised = _exercised()
+    if exercised:
+        exercised = {k: {tuple(repr(x) for x in c) for c in v} for k, v in exercised.items()}
+    exercised = exercised or _FROM_WORKERS
     if exercised:
         terminalreporter.write_sep("-", "attnopt property tests")
         for name, combos in sorted(exercised.items()):

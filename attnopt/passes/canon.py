@@ -640,6 +640,45 @@ _FRESH_KINDS = frozenset(("matmul", "baddbmm", "scale", "add", "sub", "mul", "di
                           "unary"))
 
 
+#: Methods ``x.<name>(node)`` whose result depends on ``node``'s shape only (``node`` not the first argument).
+_SHAPE_OF_OTHER = frozenset(("expand_as", "view_as", "reshape_as"))
+#: Methods ``node.<name>(...)`` and attributes ``node.<name>`` that return its shape, rank, dtype or device.
+_SHAPE_METHODS = frozenset(("size", "dim", "ndimension", "numel", "nelement"))
+_SHAPE_ATTRS = frozenset(("shape", "ndim", "dtype", "device", "is_cuda"))
+_SYM_SIZES = frozenset(getattr(torch.ops.aten, name) for name in ("sym_size", "sym_numel")
+                       if hasattr(torch.ops.aten, name))
+#: The ATen forms ``torch.export`` records for ``x.expand_as(node)`` and the like.
+_ATEN_SHAPE_OF_OTHER = frozenset(getattr(torch.ops.aten, name) for name in _SHAPE_OF_OTHER
+                                 if hasattr(torch.ops.aten, name))
+
+
+def reads_only_shape(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` reads ``node``'s shape (rank, dtype, device), never its values or strides:
+    ``mask.view(B, 1, 1, S).expand_as(scores)``, ``x.view_as(scores)``, ``scores.size(-1)``, ``scores.shape``,
+    ``scores.dim()``, ``aten.sym_size.int(scores, 0)``. Not ``scores.stride()``, ``scores.is_contiguous()``, nor
+    ``scores.view_as(x)`` (the scores' values)."""
+    if user.kwargs.get("out") is not None or not user.args:
+        return False
+    if user.op == "call_method":
+        name = str(user.target)
+        if name in _SHAPE_OF_OTHER:
+            return len(user.args) == 2 and user.args[0] is not node and user.args[1] is node and not user.kwargs
+        return name in _SHAPE_METHODS and user.args[0] is node and node not in user.args[1:] \
+            and node not in user.kwargs.values()
+    if user.op != "call_function":
+        return False
+    if user.target is getattr:
+        return len(user.args) == 2 and user.args[0] is node and user.args[1] in _SHAPE_ATTRS
+    targets = {user.target} | ({user.target.overloadpacket} if isinstance(user.target, torch._ops.OpOverload)
+                               else set())
+    if targets & _ATEN_SHAPE_OF_OTHER:
+        return len(user.args) == 2 and user.args[0] is not node and user.args[1] is node and not user.kwargs
+    if user.target is torch.ops.aten._assert_tensor_metadata.default:  # export's dtype/device/layout check
+        return user.args[0] is node and node not in (*user.args[1:], *user.kwargs.values()) \
+            and (len(user.args) < 3 or user.args[2] is None) and user.kwargs.get("stride") is None
+    return bool(targets & _SYM_SIZES) and user.args[0] is node and node not in user.args[1:]
+
+
 def functionalize_inplace(gm: fx.GraphModule) -> int:
     """Make every use of a tensor after an in-place method on it read that method's node.
 
@@ -654,8 +693,6 @@ def functionalize_inplace(gm: fx.GraphModule) -> int:
 
         s = q @ kT; s.div_(8.0); p = s.softmax(-1)   ->   p = div_.softmax(-1)
     """
-    from .find_sites import reads_only_shape  # (find_sites builds on this module)
-
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = 0
     for node in list(gm.graph.nodes):
