@@ -415,3 +415,42 @@ def test_shifts_that_are_not_the_row_maximum_are_left_alone(how: str) -> None:
     out, ref = opt(*inputs), model(*inputs)
     torch.testing.assert_close(out, ref)
     _left_alone(opt, "the scores pass through sub")
+
+
+# ----------------------------------------------------------------------------- look-alikes the breaker found
+
+def _lse_after_shift(self, q, k, v, sinks):  # the lse sink of the *shifted* scores: the shift cannot be dropped
+    w = q @ k.transpose(-2, -1) * D ** -0.5
+    w = w - w.max(-1, keepdim=True).values
+    scale = torch.sigmoid(torch.logsumexp(w, -1) - sinks.view(1, -1, 1))[..., None]
+    return (torch.softmax(w, -1) @ v) * scale
+
+
+def _sub_alpha(self, q, k, v, sinks):  # torch.sub(w, m, alpha=2) is no shift by the maximum
+    w = q @ k.transpose(-2, -1) * D ** -0.5
+    return torch.softmax(torch.sub(w, w.max(-1, keepdim=True).values, alpha=2), -1) @ v
+
+
+def _amax_indexed(self, q, k, v, sinks):  # amax(...)[0] picks batch 0's maxima, not a (values, indices) pair
+    w = q @ k.transpose(-2, -1) * D ** -0.5
+    return torch.softmax(w - torch.amax(w, -1, keepdim=True)[0], -1) @ v
+
+
+@pytest.mark.parametrize("body", [_lse_after_shift, _sub_alpha, _amax_indexed], ids=lambda f: f.__name__)
+def test_shift_look_alikes_are_never_rewritten_wrong(body) -> None:
+    model = Fn(body)
+    opt = attnopt.optimize(model, variant="sdpa")
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    sinks = torch.randn(H)
+    torch.testing.assert_close(opt(q, k, v, sinks), model(q, k, v, sinks))
+    assert attnopt.explain(opt).rewritten == 0, str(attnopt.explain(opt))
+
+
+def test_an_infinite_granite_sink_gives_the_row_zero_as_written() -> None:
+    """``sigmoid(logsumexp(s) - inf) = 0``: the row is 0 as written, and no gradient reaches the sink there."""
+    model = GraniteSink()
+    with torch.no_grad():
+        model.sinks[1] = float("inf")
+    opt = attnopt.optimize(model, variant="sdpa")
+    _same(opt, model, _granite_inputs(B, T, torch.float32, 2))
+    _rewritten(opt, "attention sink")

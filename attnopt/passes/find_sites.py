@@ -138,6 +138,9 @@ class Match:
     #: rows whose every score is ``-inf`` are NaN as written (``NaN * sigmoid(-inf)``), restored after the site
     #: from its mask (the sink's key would give them zero)
     sink_nan_rows: bool = False
+    #: the sink is read from ``sigmoid(logsumexp(s) - sink)``: a ``+inf`` sink gives the row 0 as written
+    #: (``sigmoid(-inf)``), which one more key reproduces with the largest finite logit (see ``sink_operands``)
+    sink_lse: bool = False
     #: the condition of a ``masked_fill`` before the softmax whose keys the probabilities zero again after it
     #: (``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0)``): rows where it hides every key are zero
     zero_rows: fx.Node | None = None
@@ -648,7 +651,7 @@ def _back_to_product(st: _Partial) -> None:
         _only_user(cur, "attention scores", st.softmax)  # the softmax's own input: returned or stored elsewhere?
     if st.sink_drop is not None:
         cur = _sink_column(st, cur, chain)
-    else:
+    elif st.sink_scale is None:  # (an lse sink reads the shifted scores: its logit is relative to them)
         shift = _row_max_shift(cur)  # ``s - s.max(-1, keepdim=True).values`` (MiMo-V2): softmax is shift-invariant
         if shift is not None:
             st.internal.extend((cur, *shift[1]))
@@ -863,8 +866,9 @@ def _sink_casts(st: _Partial, cur: fx.Node, chain: list[tuple[str, Any]], nodes:
 def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """``(x, [max nodes])`` when ``node`` is ``x - x.max(-1, keepdim=True).values`` (or ``[0]``, ``amax``,
     ``torch.max``/``torch.amax``, a ``.detach()`` on the maximum), each max node used only there."""
-    if not (node.op == "call_function" and node.target in (operator.sub, torch.sub)) or len(node.args) != 2:
-        return None
+    if not (node.op == "call_function" and node.target in (operator.sub, torch.sub)) or len(node.args) != 2 \
+            or node.kwargs:
+        return None  # (``torch.sub(x, m, alpha=2)`` is no shift by the maximum)
     x, m = node.args
     if not (isinstance(x, fx.Node) and isinstance(m, fx.Node)):
         return None
@@ -887,10 +891,15 @@ def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     keep = cur.kwargs.get("keepdim", cur.args[2] if len(cur.args) > 2 else False)
     nd = len(shape_of(x) or ())
     dims = dim if isinstance(dim, (list, tuple)) else (dim,)
-    values = any(c.target in (operator.getitem, getattr) for c in chain)
-    if keep is not True or len(dims) != 1 or dims[0] not in (-1, nd - 1) or \
-            cur.target in ("max", torch.max) and not values:
-        return None  # torch.max(x, dim) returns (values, indices): only its values are a shift
+    picks = [c for c in chain if c.target in (operator.getitem, getattr)]
+    if cur.target in ("max", torch.max):
+        # torch.max(x, dim) returns (values, indices): its values, picked right off the reduction, are a shift
+        if len(picks) != 1 or picks[0] is not chain[-1]:
+            return None
+    elif picks:  # amax returns the maxima themselves: ``[0]`` would index them (batch 0's rows)
+        return None
+    if keep is not True or len(dims) != 1 or dims[0] not in (-1, nd - 1):
+        return None
     if set(x.users) != {node, cur}:
         return None
     return x, [*chain, cur]
@@ -1296,7 +1305,8 @@ def _assemble(st: _Partial) -> None:
                      internal=st.internal, score_mod=st.score_mod, v_transposed=st.v_transposed,
                      q_relayout=st.relayouts[0], k_relayout=st.relayouts[1], v_relayout=st.relayouts[2],
                      out_relayout=st.relayouts[3], sink=st.sink, zero_rows=st.zero_cond,
-                     sink_unsqueeze=st.sink_unsqueeze, sink_nan_rows=st.sink_scale is not None and plan.nan_rows)
+                     sink_unsqueeze=st.sink_unsqueeze, sink_nan_rows=st.sink_scale is not None and plan.nan_rows,
+                     sink_lse=st.sink_scale is not None)
 
 
 def _no_write_in_window(st: _Partial) -> None:

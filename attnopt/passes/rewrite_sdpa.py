@@ -89,7 +89,7 @@ def nan_dead_rows(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, scale: float,
-                  mask: torch.Tensor | None = None, causal: bool = False
+                  mask: torch.Tensor | None = None, causal: bool = False, posinf_as_max: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q, k, v and the mask with one more key whose score is the sink's logit in every row and whose value is zero,
     for a site that runs with ``scale=1`` (q comes back scaled).
@@ -115,6 +115,10 @@ def sink_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch
     d = q.size(-1)
     pad = 8 - d % 8  # at least one column, for the sink
     column = sink.expand(*q.shape[:-1], 1)
+    if posinf_as_max:
+        # a sink read as ``sigmoid(logsumexp(s) - sink)``: ``+inf`` gives the row 0 as written (and no gradient),
+        # which the largest finite logit gives too; ``+inf`` itself would make the real scores ``inf * 0 = NaN``
+        column = torch.where(torch.isposinf(column), torch.finfo(column.dtype).max, column)
     hide = torch.isneginf(column)
     hiding = torch.compiler.is_compiling() or bool(hide.any())  # (a compiled graph cannot branch on values)
     if hiding:
@@ -272,7 +276,7 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 sink = graph.call_method("unsqueeze", (m.sink, -1)) if m.sink_unsqueeze else m.sink
                 dead = mask if m.sink_nan_rows else None  # the mask over the real keys, before the sink's
                 widened = graph.call_function(sink_operands, (q, k, v, sink, m.spec.scale if scale is None
-                                                              else scale, mask, structural))
+                                                              else scale, mask, structural, m.sink_lse))
                 q, k, v, mask = (graph.call_function(operator.getitem, (widened, i)) for i in range(4))
                 scale = 1.0  # q comes back scaled
             name = f"attnopt_{m.record.name}"
