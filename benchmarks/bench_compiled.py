@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import shlex
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_core import cpu_name, cpu_times, paired, train_step, write_atomic
+from bench_core import command_line, cpu_name, cpu_times, paired, train_step, write_results
 from tabulate import tabulate
 
 import attnopt
@@ -151,18 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = "python " + shlex.join(sys.argv if argv is None else [sys.argv[0], *argv])
-    print(f"command: {command}", flush=True)
+    command = command_line(argv)
     mods = blocks(args.seed)
     res: dict[str, Any] = {"inference": inference(args, mods), "training": training(args, mods)}
     res["env"] = {"command": command, "torch": torch.__version__, "attnopt": attnopt.__version__,
                   "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_count": os.cpu_count()}
-    md = markdown(res)
-    print()
-    print(md)
-    write_atomic(args.out / "compiled.json", json.dumps(res, indent=2) + "\n")
-    write_atomic(args.out / "compiled.md", md)
-    print(f"wrote {args.out / 'compiled.json'} and {args.out / 'compiled.md'}")
+    write_results(args.out, "compiled", res, markdown(res))
     return 0
 
 

@@ -323,10 +323,25 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def command_line(argv: list[str] | None) -> str:
+    """The command that ran this benchmark, printed first and kept with its results."""
     command = "python " + shlex.join(sys.argv if argv is None else [sys.argv[0], *argv])
     print(f"command: {command}", flush=True)
+    return command
+
+
+def write_results(out: Path, stem: str, res: dict[str, Any], md: str) -> None:
+    """Print the markdown and write ``<stem>.json`` and ``<stem>.md`` under ``out``."""
+    print()
+    print(md)
+    write_atomic(out / f"{stem}.json", json.dumps(res, indent=2) + "\n")
+    write_atomic(out / f"{stem}.md", md)
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = command_line(argv)
     load_before = os.getloadavg()[0]
     res = run(args)
     res["env"] = {"command": command, "torch": torch.__version__, "attnopt": attnopt.__version__,
@@ -336,12 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                   "cpu_count": os.cpu_count(), "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]}}
     summary = summarise(res, args)
     res["targets"] = summary
-    md = markdown(res, summary, args)
-    print()
-    print(md)
-    write_atomic(args.out / "core.json", json.dumps(res, indent=2) + "\n")
-    write_atomic(args.out / "core.md", md)
-    print(f"wrote {args.out / 'core.json'} and {args.out / 'core.md'}")
+    write_results(args.out, "core", res, markdown(res, summary, args))
     return 0
 
 

@@ -129,7 +129,7 @@ def test_a_rewritten_graph_with_a_deferred_mask_copies_and_pickles() -> None:
             torch.testing.assert_close(other(*example), gm(*example))
 
 
-def test_compiled_graphs_do_not_build_the_deferred_mask() -> None:
+def test_compiled_graphs_stay_exact_when_the_guarded_buffer_changes() -> None:
     """With ``compile=True`` the guarded buffer is checked at the compiled graph's boundary; a buffer that
     no longer holds the pattern runs the graph as written."""
     pytest.importorskip("torch._inductor")
