@@ -119,6 +119,20 @@ def test_compiled_cache_gives_the_same_tokens():
         cached(model, variant="auto", compile=True)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_cached_graph_traces_in_one_piece(window):
+    """The compiled step is one graph: a site that dynamo cannot trace through (a graph break at each of
+    them, then the recompile limit) would leave ``compile=True`` slower than the eager cache. Both the
+    prefix cache and the sliding window's ring."""
+    torch.manual_seed(0)
+    model = _nanogpt() if window is None else TinyLM(MaskedAttention(window=window), block_size=24).eval()
+    idx = torch.randint(0, VOCAB, (2, 5))
+    c = cached(model)
+    assert [s.window for s in c.sites] == [window] * len(c.sites)
+    c.run = torch.compile(c.graph_module, dynamic=True, fullgraph=True, backend="eager")  # raises on a break
+    assert torch.equal(generate(c, idx, 5), generate_plain(model, idx, 5))
+
+
 def test_generate_from_a_module_and_batch_of_one():
     model = _llama(rope_tables=False)  # rotary angles computed from arange(T) in forward
     idx = torch.randint(0, VOCAB, (1, 6))

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..kernels.bands import band_pattern, window_keep
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout
-from .guards import is_tracing
+from .guards import is_fake
 
 #: Whether a profiler records: the site's range is only opened then (or while traced).
 _profiling = torch._C._autograd._profiler_enabled
@@ -127,7 +127,12 @@ class KVCacheAttention(DispatchingSite):
         if mask is not None:
             mask = mask.reshape((1,) * max(0, 4 - mask.dim()) + mask.shape)
         kwargs = dict(kwargs, attn_mask=mask, is_causal=causal)
-        if _profiling() or is_tracing(q):  # the site's range, only while a profiler records or a graph is traced
+        # the site's range, only while a profiler records or a graph is traced by make_fx. Dynamo (``cached(...,
+        # compile=True)``) drops such a range with a warning, and is asked first: it cannot trace the profiler
+        # query, and a graph break there would split the compiled step at every site.
+        if torch.compiler.is_compiling():
+            out = self.run_candidate(q, keys, values, kwargs)
+        elif is_fake(q) or _profiling():
             with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
                 out = self.run_candidate(q, keys, values, kwargs)
         else:
@@ -151,8 +156,10 @@ class KVCacheAttention(DispatchingSite):
         mask = None
         if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
             mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        return self._attend(q, self.k_cache[..., :end, :], self.v_cache[..., :end, :], mask, t > 1 and t == end,
-                            kwargs)
+        causal = False
+        if t > 1 and t == end:  # a branch, so a plain bool while traced with dynamic shapes (SDPA takes no SymBool)
+            causal = True
+        return self._attend(q, self.k_cache[..., :end, :], self.v_cache[..., :end, :], mask, causal, kwargs)
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, kwargs: dict) -> torch.Tensor:
         """A sliding window of ``w`` keys over a ring of ``capacity`` slots (position ``j`` in slot ``j % cap``)."""
@@ -177,7 +184,10 @@ class KVCacheAttention(DispatchingSite):
             keys, values = torch.cat((self.k_cache, k), dim=-2), torch.cat((self.v_cache, v), dim=-2)
             mask = _window_keep(at, torch.cat((held, at), 1), torch.cat((valid, torch.ones_like(at, dtype=torch.bool)),
                                                                          1), w)[0]
-        out = self._attend(q, keys, values, mask, t > 1 and mask is None, kwargs)
+        causal = False
+        if t > 1 and mask is None:  # a branch: a plain bool while traced with dynamic shapes
+            causal = True
+        out = self._attend(q, keys, values, mask, causal, kwargs)
         first = max(offset, end - cap)  # only the last ``capacity`` new positions stay
         slots = torch.arange(first, end, device=q.device) % cap
         self.k_cache[..., slots, :] = k[..., first - offset:, :]
