@@ -89,6 +89,11 @@ class AttentionSpec:
             the site sees plain attention with ``Tk + 1`` keys and its mask (never ``is_causal``).
         zero_rows: the probabilities are zeroed after the softmax where the scores were masked, so rows
             whose every key is hidden are zero (the rewrite zeroes them after the site).
+        score_floor: ``"maximum"`` or ``"clamp"``: the scores are floored at the dtype's minimum right
+            before the softmax (XGLM's ``torch.max(s, finfo.min)``; ``clamp(s, min=finfo.min)``), so a row
+            whose every key is masked is uniform, ``-inf`` included. The site floors its mask tensor the
+            same way and applies the floor, as spelled (``maximum`` halves the gradient where the scores
+            equal the minimum), to the rows it computes as written.
     """
 
     scale: float
@@ -110,6 +115,7 @@ class AttentionSpec:
     conditions: int = 0
     sink: bool = False
     zero_rows: bool = False
+    score_floor: str | None = None
 
     def __post_init__(self) -> None:
         if self.mask not in ("none", "bool", "additive"):
@@ -118,6 +124,8 @@ class AttentionSpec:
             raise ValueError(f"causal must be None, 'top_left' or 'bottom_right', got {self.causal!r}")
         if self.min_rows not in ("none", "mean", "math"):
             raise ValueError(f"min_rows must be 'none', 'mean' or 'math', got {self.min_rows!r}")
+        if self.score_floor not in (None, "maximum", "clamp"):
+            raise ValueError(f"score_floor must be None, 'maximum' or 'clamp', got {self.score_floor!r}")
         if self.dropout_mode not in ("off", "on", "module"):
             raise ValueError(f"dropout_mode must be 'off', 'on' or 'module', got {self.dropout_mode!r}")
         if self.window is not None and (self.causal is None or not isinstance(self.window, int) or self.window < 1):
@@ -150,6 +158,8 @@ class AttentionSpec:
             parts.append("attention sink (one more key)")
         if self.zero_rows:
             parts.append("rows with every key hidden are zero")
+        if self.score_floor:
+            parts.append("scores floored at the dtype's minimum")
         return ", ".join(parts)
 
 

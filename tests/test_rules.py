@@ -37,6 +37,7 @@ NAMES = (
     "fills hold in the compute dtype",
     "a sink is one more key",
     "zeroed probabilities were masked",
+    "a floor at the dtype's minimum",
     "v is floating",
     "assemble the match",
     "no in-place write inside the site",

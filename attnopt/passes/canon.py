@@ -19,6 +19,8 @@ matmul     ``(a, b, b_transposed)``: ``a @ b`` or, when transposed, ``a @ b.mT``
 baddbmm    ``(input, a, b, beta, alpha)``: ``beta * input + alpha * (a @ b)`` (function, method, in place)
 unary      ``(x, name, *params)``: an elementwise function of one tensor (``tanh``, ``sigmoid``,
            ``clamp`` with constant ``min``/``max``), as in score modifiers
+floor      ``(x, c)``: ``torch.max(x, c)``/``maximum`` (``Op.mode == "maximum"``) or ``clamp_min(x, c)``
+           (``"clamp"``), ``c`` a number or a tensor node (XGLM's ``torch.max(s, full((), finfo.min))``)
 repeat_interleave ``(x, repeats, dim)`` with ``dim`` normalised to non-negative
 transpose  ``(x, d0, d1)`` with dims normalised to non-negative
 permute    ``(x, dims)``
@@ -233,6 +235,27 @@ def _clamp(node: fx.Node, _: Any) -> Op | None:
         return None  # no bound at all, or an impossible one (clamp(min=inf))
     return Op("unary", (node.args[0], "clamp", None if lo is None else float(lo), None if hi is None else float(hi)),
               _spell(node))
+
+
+def _floor_at(mode: str) -> Reader:
+    """``torch.max(x, c)`` / ``torch.maximum(x, c)`` (``mode="maximum"``) and ``clamp_min(x, c)`` (``"clamp"``):
+    the elementwise ``("floor", x, c)``, with ``c`` a number or a tensor node (the caller reads its value).
+    ``torch.max(x, dim)``, the reduction, is not read."""
+
+    def read_(node: fx.Node, _: Any) -> Op | None:
+        if node.kwargs.get("out") is not None or len(node.args) + len(node.kwargs) != 2:
+            return None
+        x, other = node.args[0], _arg(node, 1, "other" if mode == "maximum" else "min")
+        if mode == "maximum":  # both operands are tensors (an int is the reduction's dim); either order
+            if not (isinstance(x, fx.Node) and isinstance(other, fx.Node)):
+                return None
+            if is_zero_dim_tensor(x) and not is_zero_dim_tensor(other):
+                x, other = other, x
+        elif not isinstance(x, fx.Node) or isinstance(other, bool):
+            return None
+        return Op("floor", (x, other), _spell(node), mode=mode)
+
+    return read_
 
 
 def _repeat_interleave(node: fx.Node, _: Any) -> Op | None:
@@ -556,6 +579,8 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.tanh: _unary("tanh"), F.tanh: _unary("tanh"), aten.tanh.default: _unary("tanh"),
     torch.sigmoid: _unary("sigmoid"), F.sigmoid: _unary("sigmoid"), aten.sigmoid.default: _unary("sigmoid"),
     torch.clamp: _clamp, torch.clip: _clamp, aten.clamp.default: _clamp,
+    torch.max: _floor_at("maximum"), torch.maximum: _floor_at("maximum"), aten.maximum.default: _floor_at("maximum"),
+    torch.clamp_min: _floor_at("clamp"), aten.clamp_min.default: _floor_at("clamp"),
     torch.repeat_interleave: _repeat_interleave, aten.repeat_interleave.self_int: _repeat_interleave,
 }
 
@@ -582,6 +607,7 @@ _METHODS: dict[str, Reader] = {
     "new_empty": _factory(None, None), "broadcast_to": _view,
     "baddbmm": _baddbmm, "tanh": _unary("tanh"), "repeat_interleave": _repeat_interleave,
     "sigmoid": _unary("sigmoid"), "clamp": _clamp, "clip": _clamp,
+    "max": _floor_at("maximum"), "maximum": _floor_at("maximum"), "clamp_min": _floor_at("clamp"),
     # in place: functionalize_inplace makes later uses read these nodes
     "mul_": _scale_or_binary("mul"), "div_": _scale_or_binary("div"), "add_": _scale_or_binary("add"),
     "masked_fill_": _masked_fill, "baddbmm_": _baddbmm, "tanh_": _unary("tanh"),

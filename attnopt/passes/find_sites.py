@@ -7,6 +7,7 @@ Matches, for every softmax node, the chain around it in the canonical vocabulary
     scores  = product (* or / scalar)*        (scale after the product; a scale on q stays on q)
                       (masked_fill | where | + mask | * m + c * (1 - m))*   (masks, proven by passes/masks.py)
                       (cast | contiguous)*
+                      [torch.max(scores, finfo.min) | clamp(scores, min=finfo.min)]   (a floor, XGLM)
                       [cat([scores, sink], -1) [- rowmax] (cast)*]   (an attention sink, dropped after the softmax)
     probs   = softmax(scores, dim=last)       (any spelling, with or without dtype=)
               (cast | dropout | contiguous | [..., :-1] after a sink | masked_fill(m, 0) as before it)*
@@ -54,6 +55,8 @@ variable names:
 * *zeroed probabilities were masked*: a ``masked_fill(m, 0)`` of the probabilities zeroes the keys the
   scores' own ``-inf`` or dtype-minimum fill hid (the same condition), so it changes only rows where every
   key is hidden, which become zero;
+* *a floor at the dtype's minimum*: ``torch.max(s, finfo.min)`` right before the softmax (XGLM), not in
+  float16 and not next to a finite fill, a sink or zeroed probabilities;
 * *v is floating*;
 * *assemble the match*: the :class:`AttentionSpec` and the :class:`Match` (never refuses);
 * *no in-place write inside the site*: nothing the site reads is written between its first read
@@ -532,6 +535,7 @@ class _Partial:
     sink_unsqueeze: bool = False  # that sink has logsumexp's shape [..., Tq] (keepdim=False)
     zeroed: fx.Node | None = None  # ``probs.masked_fill(cond, 0)`` after the softmax: its condition
     zero_cond: fx.Node | None = None  # the scores' own fill condition it was proven equal to
+    score_floor: str | None = None  # "maximum" | "clamp": the scores floored at their dtype's minimum (XGLM)
     match: Match | None = None
 
 
@@ -674,6 +678,15 @@ def _back_to_product(st: _Partial) -> None:
             st.internal.append(cur)
             _only_user(nxt, "attention scores", cur)
             cur = nxt
+            continue
+        floor = _score_floor(op, cur, chain)
+        if floor is not None:  # torch.max(s, finfo.min) right before the softmax (XGLM); -inf: no step at all
+            mode, x = floor
+            st.score_floor = st.score_floor or mode
+            record.spelling.append(f"{op.spelling}(·, min)" if mode else f"{op.spelling}(·, -inf)")
+            st.internal.append(cur)
+            _only_user(x, "attention scores", cur)
+            cur = x
             continue
         blend = _keep_blend(op, cur) if op.kind == "add" else None
         if blend is not None:  # scores * m + c * (1 - m): a fill of c where the 0/1 factor m is 0
@@ -1194,6 +1207,29 @@ def _fills(st: _Partial) -> None:
                                f"{st.q_dtype}, where that value does not exist")
 
 
+def _floor_rule(st: _Partial) -> None:
+    """A floor at the dtype's minimum (see :func:`_score_floor`) with a plain mask: no finite fill, sink or
+    zeroed rows next to it, and not in float16, where a score below -16 next to the minimum overflows to
+    ``-inf`` as written (the floor then changes which keys a masked row averages, per call)."""
+    if st.score_floor is None:
+        return
+    assert st.plan is not None
+    why = None
+    if st.q_dtype == torch.float16 or dtype_of(st.scores_in) == torch.float16:
+        why = ("in float16 a score below -16 added to the minimum overflows to -inf, so which keys a masked row "
+               "averages depends on the scores")
+    elif st.plan.bound_fill is not None:
+        why = f"the mask also fills a finite value ({st.plan.bound_fill:g})"
+    elif st.sink is not None:
+        why = "the scores carry an attention sink"
+    elif st.zero_cond is not None:
+        why = "the probabilities are zeroed again after the softmax"
+    elif st.plan.kind == "bool":
+        why = "the mask only fills -inf (a row it hides entirely would need the fills' gradients cut as written)"
+    if why:
+        raise NearMiss(f"the scores are floored at the dtype's minimum and {why}; left as written")
+
+
 def _zeroed_rows(st: _Partial) -> None:
     """Probabilities zeroed again where the scores were masked (``softmax(s.masked_fill(m, -inf))
     .masked_fill(m, 0)``, FastSpeech2-Conformer, CPM-Ant): the condition is one the scores were filled
@@ -1290,6 +1326,8 @@ def _assemble(st: _Partial) -> None:
     )
     if st.zero_cond is not None:
         spec = replace(spec, zero_rows=True)
+    if st.score_floor is not None:  # no -inf is left in a floored mask: every row has a value, none is NaN
+        spec = replace(spec, score_floor=st.score_floor, nan_rows=False)
     if st.sink is not None:  # one more key, never masked: no row is hidden entirely, the mask goes as a tensor
         structural = plan.causal == "top_left" and not plan.guarded and not plan.conditions and plan.window is None
         spec = replace(spec, causal=None, window=None, conditions=0, nan_rows=False, min_rows="none", sink=True,
@@ -1331,6 +1369,7 @@ RULES: tuple[tuple[str, Callable[[_Partial], None]], ...] = (
     ("fills hold in the compute dtype", _fills),  # finite fills that stay exact
     ("a sink is one more key", _sink_rule),  # a number as scale, no modifier, the site's own layout
     ("zeroed probabilities were masked", _zeroed_rows),  # probs.masked_fill(m, 0) where the scores were hidden
+    ("a floor at the dtype's minimum", _floor_rule),  # torch.max(s, finfo.min): no fp16, no finite fill or sink
     ("v is floating", _v_dtype),  # no integer or bool values
     ("assemble the match", _assemble),  # the AttentionSpec and the Match; never refuses
     ("no in-place write inside the site", _no_write_in_window),  # the fused kernel reads what P @ V would
@@ -1696,6 +1735,44 @@ def _t_shape(s: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
     return (*s[:-2], s[-1], s[-2])
 
 
+def _score_floor(op: Op, node: fx.Node, chain: list[tuple[str, Any]]) -> tuple[str | None, fx.Node] | None:
+    """``(mode, x)`` when ``node`` floors the scores ``x`` at a constant: ``torch.max(x, full((), finfo.min))``,
+    ``maximum``, ``clamp(x, min=c)``, ``clamp_min`` (XGLM; OPT and BioGPT copies). None when ``node`` is no floor.
+
+    Only the last step before the softmax is read (views and casts after it aside), at the scores' dtype
+    minimum (``mode``: ``"maximum"`` or ``"clamp"``, whose gradients differ where ``x`` equals the minimum) or at
+    ``-inf`` (``mode`` None: no step at all). Why the first is exact: it raises only ``-inf`` entries (a
+    ``-inf`` mask, a score that overflowed next to the minimum) to the minimum. In a row that keeps any key
+    those carry weight 0 either way; a row where every key is masked is uniform as written, which the site
+    reproduces with the floor applied to its mask and to the rows it computes as written
+    (:class:`~attnopt.runtime.site.AttentionSite`). Other floors are refused with their value."""
+    if op.kind == "floor":
+        x, c = op.args
+        mode = op.mode
+        value = _fill_value(c)
+    elif op.kind == "unary" and op.args[1] == "clamp" and op.args[3] is None and dtype_of(node) is not None \
+            and dtype_of(node).is_floating_point and op.args[2] == torch.finfo(dtype_of(node)).min:
+        x, mode, value = op.args[0], "clamp", op.args[2]  # (other clamps are score modifiers)
+    else:
+        return None
+    dt = dtype_of(node)
+    if not isinstance(x, fx.Node) or not _same_shape(x, node) or dtype_of(x) != dt or dt is None \
+            or not dt.is_floating_point:
+        raise NearMiss(f"the scores are floored by {op.spelling}{_at(node)} with another shape or dtype")
+    if value is None:
+        raise NearMiss(f"the scores are floored by {op.spelling}{_at(node)} at a value not known at capture")
+    stored = _stored(value, dt)
+    if stored == -math.inf:
+        return None, x
+    if stored != torch.finfo(dt).min:
+        raise NearMiss(f"the scores are floored at {value:g} by {op.spelling}{_at(node)}: only a floor at the "
+                       f"dtype's minimum ({torch.finfo(dt).min:g}) is read")
+    if any(kind not in ("view", "cast") for kind, _ in chain):
+        raise NearMiss(f"the scores are floored at the dtype's minimum by {op.spelling}{_at(node)} before other "
+                       "steps; only a floor right before the softmax is read")
+    return mode, x
+
+
 def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: SiteRecord) -> fx.Node | None:
     """One step from the softmax input towards the product; records the op in ``chain``."""
     k = op.kind
@@ -1919,7 +1996,7 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
             return False
         if op.kind in ("matmul", "baddbmm"):
             return True
-        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary", "view") or (
+        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary", "view", "floor") or (
                 op.kind == "sub" and not isinstance(op.args[1], fx.Node)):
             cur = op.args[0]
         elif op.kind == "where":

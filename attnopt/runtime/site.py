@@ -43,6 +43,7 @@ import math
 
 import torch
 
+from ..kernels.bands import window_keep
 from ..kernels.reference import reference_attention
 from ..kernels.registry import ScoreMod
 from ..spec import AttentionSpec
@@ -116,6 +117,12 @@ class AttentionSite(DispatchingSite):
             kwargs["score_mod"] = self.score_mod
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             attn_mask is not None and attn_mask.requires_grad))  # needs_grad(q, k, v, attn_mask), inlined
+        if spec.score_floor is not None and attn_mask is not None and not (grad or dropout_active):
+            # values alone: -inf raised to the minimum, as the floor does. With gradients the mask stays as
+            # written: the floor cuts a -inf key's gradient and halves (``maximum``) a tie's, which only the
+            # hidden rows computed as written below reproduce.
+            attn_mask = mask = floored_mask(attn_mask, q.dtype)
+            kwargs["attn_mask"] = attn_mask
         in_graph = tracing and not self.tuning_run  # traced into a compiled graph: the mask's values are unknown
         min_rows = None
         as_written = False
@@ -216,6 +223,8 @@ class AttentionSite(DispatchingSite):
         gradients (and its dropout of a uniform row).
         """
         mask = kwargs.get("attn_mask")
+        if self.spec.score_floor is not None:
+            return self._floored_as_written(q, k, v, kwargs, filled)
         if not (self.cut_fills and isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return reference_attention(q, k, v, **kwargs)
         if filled is None:
@@ -232,6 +241,39 @@ class AttentionSite(DispatchingSite):
 
         rest = {n: a for n, a in kwargs.items() if n not in ("attn_mask", "score_mod")}
         return reference_attention(q, k, v, attn_mask=None, score_mod=fill_as_written, **rest)
+
+    def _floored_as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
+                            filled: torch.Tensor | None) -> torch.Tensor:
+        """``_as_written`` for scores floored at the dtype's minimum (``spec.score_floor``): the mask added (or
+        its fills put in place), then ``torch.maximum`` or ``clamp_min`` as the code spelled it, which give the
+        scores of a fully masked row different gradients (``maximum`` halves them where they tie)."""
+        mask = kwargs.get("attn_mask")
+        inner = kwargs.get("score_mod")
+        low = torch.finfo(q.dtype).min
+        cut = filled if filled is not None else (mask <= low / 2 if self.cut_fills and isinstance(
+            mask, torch.Tensor) and mask.is_floating_point() else None)
+        if cut is not None and cut.dim() < 4:
+            cut = cut.reshape((1,) * (4 - cut.dim()) + tuple(cut.shape))
+        maximum = self.spec.score_floor == "maximum"
+
+        def floored(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,
+                    ki: torch.Tensor) -> torch.Tensor:
+            if inner is not None:
+                score = inner(score, b, h, qi, ki)
+            if isinstance(mask, torch.Tensor):
+                score = torch.where(cut, mask, score + mask) if cut is not None else score + mask
+            if kwargs.get("is_causal"):
+                tq, tk = score.size(-2), score.size(-1)
+                window = kwargs.get("window")
+                keep = torch.ones(tq, tk, dtype=torch.bool, device=score.device).tril() if window is None \
+                    else window_keep(tq, tk, window, score.device)
+                score = score.masked_fill(~keep, float("-inf"))
+            if maximum:
+                return torch.maximum(score, torch.full((), low, dtype=score.dtype, device=score.device))
+            return score.clamp_min(low)
+
+        rest = {n: a for n, a in kwargs.items() if n not in ("attn_mask", "score_mod", "is_causal", "window")}
+        return reference_attention(q, k, v, attn_mask=None, score_mod=floored, **rest)
 
     def _guards_hold(self, guarded: tuple[torch.Tensor, ...], tracing: bool) -> bool:
         if not self.guards:
@@ -281,6 +323,14 @@ class BoundedFillSite(AttentionSite):
         if not tracing:
             self.count_fallback(f"a fill of {fill:g} that may carry weight on this call: the call as written")
         return _filled_as_written(q, k, v, fill, **kwargs)
+
+
+def floored_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of a site whose scores are floored at the dtype's minimum, for a call without
+    gradients: ``-inf`` raised to the minimum, so a row whose every key is masked is uniform, as written
+    (``s + min`` is ``min`` for any score below ``2**100`` in float32 and bfloat16)."""
+    assert mask.is_floating_point(), "a floored site's mask is additive (find_sites refuses boolean ones)"
+    return mask.clamp_min(torch.finfo(mask.dtype).min)
 
 
 def fill_is_negligible(q: torch.Tensor, k: torch.Tensor, scale: float, fill: float) -> bool:
