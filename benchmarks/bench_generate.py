@@ -141,6 +141,10 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
     medians = time_alternating(fns, (), repeats=args.rounds, warmup=0, progress="generate")
     steps = [cached_step_times(lm, prompt, args.new) for _ in range(args.rounds)]
     per_step = [statistics.median(s[i] for s in steps) for i in range(len(steps[0]))]
+    per_step_c = None
+    if args.compiled:  # the compiled step too, in rounds alternating with the eager one above
+        steps_c = [cached_step_times(lmc, prompt, args.new) for _ in range(args.rounds)]
+        per_step_c = [statistics.median(s[i] for s in steps_c) for i in range(len(steps_c[0]))]
     rows = []
     for pos in args.positions:
         i = pos - args.prompt  # step i feeds the token at position prompt + i
@@ -149,7 +153,10 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
         window = per_step[max(0, i - 4): i + 5]
         seq = torch.randint(0, VOCAB, (1, pos + 1))
         plain = time_alternating({"plain": lambda s=seq: model(s)}, (), repeats=args.rounds, warmup=1)["plain"]
-        rows.append({"position": pos, "cached_ms": 1e3 * statistics.median(window), "plain_ms": 1e3 * plain})
+        row = {"position": pos, "cached_ms": 1e3 * statistics.median(window), "plain_ms": 1e3 * plain}
+        if per_step_c is not None:
+            row["compiled_ms"] = 1e3 * statistics.median(per_step_c[max(0, i - 4): i + 5])
+        rows.append(row)
     lm.prefill(prompt)
     weights = weight_read_s(model, max(20, 4 * args.rounds))
     return {"weight_read_ms": 1e3 * weights, "same_tokens": same, "first_s": first_s, "capture_s": capture_s,
@@ -225,8 +232,9 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
                    f"{1e3 * med['compiled'] / args.new:.1f}", f"{med['plain'] / med['compiled']:.1f}x"],
                   ["compile=True incl. capture and compilation", f"{med['compiled'] + res['compile_s']:.2f}", "",
                    f"{med['plain'] / (med['compiled'] + res['compile_s']):.1f}x"]]
-    steps = [[r["position"], f"{r['cached_ms']:.2f}", f"{r['plain_ms']:.1f}", f"{r['plain_ms'] / r['cached_ms']:.0f}x"]
-             for r in res["steps"]]
+    compiled = bool(res["steps"]) and "compiled_ms" in res["steps"][0]
+    steps = [[r["position"], f"{r['cached_ms']:.2f}", *([f"{r['compiled_ms']:.2f}"] if compiled else []),
+              f"{r['plain_ms']:.1f}", f"{r['plain_ms'] / r['cached_ms']:.0f}x"] for r in res["steps"]]
     mem = [["K/V cache per position (one sequence)", f"{res['bytes_per_token']} B"],
            ["cache allocated (batch 1, max_len {})".format(res["max_len"]), f"{res['cache_bytes'] / 2**20:.2f} MiB"]]
     out = [
@@ -242,7 +250,8 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
     if steps:
         first, last = res["steps"][0]["cached_ms"], res["steps"][-1]["cached_ms"]
         out.append("#### One decode step by position\n\n" + tabulate(
-            steps, headers=["position", "cached step ms", "plain step ms", "plain / cached"], tablefmt="github")
+            steps, headers=["position", "cached step ms", *(["compile=True step ms"] if compiled else []),
+                            "plain step ms", "plain / cached"], tablefmt="github")
             + f"\n\nCached step at position {res['steps'][-1]['position']} / at {res['steps'][0]['position']}: "
               f"{last / first:.2f}x.")
     if steps and res.get("weight_read_ms"):
@@ -250,7 +259,10 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
         out.append(f"Reading every weight matrix once (a one-row `F.linear` per matrix, "
                    f"{res['weight_read_ms']:.2f} ms) is the floor of a decode step bound by memory: the cached "
                    f"step (median over the positions above, {mid:.2f} ms) is "
-                   f"**{mid / res['weight_read_ms']:.2f}x** it (target <= 1.5x).")
+                   f"**{mid / res['weight_read_ms']:.2f}x** it (target <= 1.5x)" + (
+                       "; with `compile=True` the step is **{:.2f}x** it.".format(
+                           statistics.median(r["compiled_ms"] for r in res["steps"]) / res["weight_read_ms"])
+                       if compiled else "."))
     out.append("#### Cache memory\n\n" + tabulate(mem, headers=["", ""], tablefmt="github"))
     return out
 
