@@ -536,6 +536,7 @@ class _Partial:
     zeroed: fx.Node | None = None  # ``probs.masked_fill(cond, 0)`` after the softmax: its condition
     zero_cond: fx.Node | None = None  # the scores' own fill condition it was proven equal to
     score_floor: str | None = None  # "maximum" | "clamp": the scores floored at their dtype's minimum (XGLM)
+    floor_dtype: torch.dtype | None = None  # the dtype the floor is applied in
     match: Match | None = None
 
 
@@ -682,7 +683,11 @@ def _back_to_product(st: _Partial) -> None:
         floor = _score_floor(op, cur, chain)
         if floor is not None:  # torch.max(s, finfo.min) right before the softmax (XGLM); -inf: no step at all
             mode, x = floor
-            st.score_floor = st.score_floor or mode
+            if mode is not None and st.score_floor is not None:  # each floor halves a tie's gradient again
+                raise NearMiss(f"the scores are floored twice before the softmax ({op.spelling}{_at(cur)}); only one "
+                               "floor at the dtype's minimum is read")
+            if mode is not None:
+                st.score_floor, st.floor_dtype = mode, dtype_of(cur)
             record.spelling.append(f"{op.spelling}(·, min)" if mode else f"{op.spelling}(·, -inf)")
             st.internal.append(cur)
             _only_user(x, "attention scores", cur)
@@ -1208,14 +1213,18 @@ def _fills(st: _Partial) -> None:
 
 
 def _floor_rule(st: _Partial) -> None:
-    """A floor at the dtype's minimum (see :func:`_score_floor`) with a plain mask: no finite fill, sink or
-    zeroed rows next to it, and not in float16, where a score below -16 next to the minimum overflows to
+    """A floor at the dtype's minimum (see :func:`_score_floor`) with a plain mask: applied in the dtype the
+    scores are computed in (not after an upcast), no finite fill, sink or zeroed rows next to it, and not in
+    float16, where a score below -16 next to the minimum overflows to
     ``-inf`` as written (the floor then changes which keys a masked row averages, per call)."""
     if st.score_floor is None:
         return
     assert st.plan is not None
     why = None
-    if st.q_dtype == torch.float16 or dtype_of(st.scores_in) == torch.float16:
+    if st.floor_dtype != st.q_dtype:
+        why = (f"the floor is applied in {st.floor_dtype}, the scores are computed in {st.q_dtype} (the minimum of "
+               "the wider dtype lies below every masked score of the narrower)")
+    elif st.q_dtype == torch.float16 or dtype_of(st.scores_in) == torch.float16:
         why = ("in float16 a score below -16 added to the minimum overflows to -inf, so which keys a masked row "
                "averages depends on the scores")
     elif st.plan.bound_fill is not None:
