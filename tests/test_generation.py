@@ -119,6 +119,32 @@ def test_compiled_cache_gives_the_same_tokens():
         cached(model, variant="auto", compile=True)
 
 
+def test_the_step_graph_reads_the_models_own_tensors_and_sites():
+    """``cached`` runs a copy of the graph whose tensors sit in its instance dict (fewer lookups per step): the
+    same objects as the capture's, the same KV-cache sites, so a weight written in place is seen."""
+    model = _nanogpt()
+    c = cached(model)
+    gm, run = c.graph_module, c.run
+    assert run is not gm and run.graph is not gm.graph
+    for node in (n for n in run.graph.nodes if n.op == "get_attr"):
+        assert node.target in vars(run)  # found without nn.Module.__getattr__
+    got = {id(getattr(run, n.target)) for n in run.graph.nodes if n.op == "get_attr"}
+    want = set()
+    for n in (n for n in gm.graph.nodes if n.op == "get_attr"):
+        obj = gm
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part)
+        want.add(id(obj))
+    assert got == want
+    assert [run.get_submodule(n.target) for n in run.graph.nodes if n.op == "call_module"] == \
+        [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    idx = torch.randint(0, VOCAB, (2, 5))
+    assert torch.equal(generate(c, idx, 4), generate_plain(model, idx, 4))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # tied with the embedding: written in place, read by the step graph
+    assert torch.equal(generate(c, idx, 4), generate_plain(model, idx, 4))
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_cached_graph_traces_in_one_piece(window):
     """The compiled step is one graph: a site that dynamo cannot trace through (a graph break at each of
