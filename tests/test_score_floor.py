@@ -10,11 +10,15 @@ written, on masks holding ``-inf``, the minimum and fully masked rows, and check
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attnopt
 from attnopt.runtime.site import floored_mask
@@ -231,3 +235,32 @@ def test_floor_after_a_masked_fill(fill):
     else:
         (record,) = list(attnopt.explain(opt))
         assert not record.rewritten and "the mask only fills -inf" in record.reason
+
+
+VALUES = (0.0, float("-inf"), MIN, -5.0, 1.25)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_floor_property(data):
+    """Any floor spelling, mask shape and mix of 0, -inf, the minimum and finite values (rows hidden by -inf, by
+    the minimum or by both, cross-attention lengths), with and without gradients: the rewrite equals the code."""
+    how = data.draw(st.sampled_from(SPELLINGS))
+    b, h, tq, tk = (data.draw(st.integers(1, n)) for n in (2, 2, 5, 5))
+    shape = data.draw(st.sampled_from([(b, 1, tq, tk), (1, h, tq, tk), (tq, tk), (b, 1, 1, tk)]))
+    mask = torch.tensor(data.draw(st.lists(st.sampled_from(VALUES), min_size=math.prod(shape),
+                                           max_size=math.prod(shape)))).view(shape)
+    grad = data.draw(st.booleans())
+    torch.manual_seed(data.draw(st.integers(0, 1000)))
+    q = torch.randn(b, h, tq, D, requires_grad=grad)
+    k, v = (torch.randn(b, h, tk, D, requires_grad=grad) for _ in range(2))
+    model = Floored(how)
+    torch._dynamo.reset()
+    opt = attnopt.optimize(model, variant="sdpa")
+    ref, got = model(q, k, v, mask), opt(q, k, v, mask)
+    assert [s.score_floor for s in _specs(opt)] == ["clamp" if how.startswith("clamp") else "maximum"]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    if grad:
+        g = torch.randn_like(ref)
+        for a, w in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+            torch.testing.assert_close(a, w, atol=2e-5, rtol=1e-4)
