@@ -193,6 +193,21 @@ def test_replaced_weights_are_detected():
         c2.prefill(torch.randint(0, VOCAB, (1, 4)))
 
 
+@pytest.mark.parametrize("name", ["wte", "lm_head"])
+def test_untying_tied_weights_is_detected(name):
+    """Tied weights (``lm_head.weight = wte.weight``, as nanoGPT and GPT-2 tie them): the graph reads the tensor
+    under one name. Replacing it under either name unties the two, which the model as written then computes
+    with: the cache refuses."""
+    model = _nano(n_layer=1)
+    model.lm_head.weight = model.wte.weight
+    c = cached(model)
+    idx = torch.randint(0, VOCAB, (1, 4))
+    generate(c, idx, 2)
+    setattr(getattr(model, name), "weight", torch.nn.Parameter(torch.randn_like(model.wte.weight)))
+    with pytest.raises(ModelChangedError, match=rf"{name}\.weight"):
+        generate(c, idx, 2)
+
+
 class CumsumMaskAttention(nn.Module):
     """Causal through a mask the symbolic proof cannot read (``tril.cumsum(0) > 0`` is ``tril``), from a buffer."""
 

@@ -141,7 +141,7 @@ def test_the_step_graph_reads_the_models_own_tensors_and_sites():
     idx = torch.randint(0, VOCAB, (2, 5))
     assert torch.equal(generate(c, idx, 4), generate_plain(model, idx, 4))
     with torch.no_grad():
-        model.lm_head.weight.mul_(-1.0)  # tied with the embedding: written in place, read by the step graph
+        model.lm_head.weight.mul_(-1.0)  # written in place, read by the step graph
     assert torch.equal(generate(c, idx, 4), generate_plain(model, idx, 4))
 
 

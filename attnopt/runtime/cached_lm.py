@@ -737,4 +737,14 @@ def watch_model(model: nn.Module, gm: fx.GraphModule, proofs: list[tuple[str, An
         p = pin(path, False)
         if p is not None:
             p.patterns.append((tuple(cuts), tuple(values), site))
+    # A tensor held under several names (tied embeddings: ``lm_head.weight is wte.weight``) is read by the graph
+    # under one of them; the model computes with each, so each is pinned: replacing one unties them.
+    names: dict[int, list[str]] = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(name)
+    for p in list(pins.values()):
+        for name in names.get(id(p.tensor), ()):
+            alias = pin(name, p.read)
+            if alias is not None and p.patterns and alias is not p:
+                alias.patterns.extend(p.patterns)
     return Watch(model, list(pins.values()))
