@@ -203,7 +203,7 @@ def test_untying_tied_weights_is_detected(name):
     c = cached(model)
     idx = torch.randint(0, VOCAB, (1, 4))
     generate(c, idx, 2)
-    setattr(getattr(model, name), "weight", torch.nn.Parameter(torch.randn_like(model.wte.weight)))
+    getattr(model, name).weight = torch.nn.Parameter(torch.randn_like(model.wte.weight))
     with pytest.raises(ModelChangedError, match=rf"{name}\.weight"):
         generate(c, idx, 2)
 
