@@ -208,6 +208,47 @@ def test_untying_tied_weights_is_detected(name):
         generate(c, idx, 2)
 
 
+def test_a_forward_that_writes_its_buffers_is_refused():
+    """A call counter kept in a buffer (``self.calls += 1``): the logits depend on how often forward ran, which a
+    cache that runs new tokens only cannot reproduce. torch.export may list no buffer mutation for it while the
+    graph writes the buffer in place, so the graph itself is read."""
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _nano(n_layer=1)
+            self.register_buffer("calls", torch.zeros(()))
+            self.register_buffer("bias", torch.randn(VOCAB))
+
+        def forward(self, idx):
+            self.calls += 1
+            return self.inner(idx) + self.calls * self.bias
+
+    with pytest.raises(PositionError, match=r"writes its buffers or parameters \(calls\)"):
+        cached(Counter().eval())
+
+
+def test_a_patched_forward_and_a_global_hook_are_detected():
+    """A submodule's ``forward`` replaced on the instance, and a hook registered for every module
+    (``register_module_forward_hook``), change what the model as written computes: the cache refuses."""
+    model = _nano(n_layer=1)
+    c = cached(model)
+    idx = torch.randint(0, VOCAB, (1, 4))
+    generate(c, idx, 2)
+    orig = model.h[0].mlp.forward
+    model.h[0].mlp.forward = lambda x: orig(x) * 3.0
+    with pytest.raises(ModelChangedError, match=r"`h\.0\.mlp\.forward` .* set on the instance"):
+        generate(c, idx, 2)
+    del model.h[0].mlp.forward  # the class's forward again: the cache serves again
+    assert torch.equal(generate(c, idx, 3), generate_plain(model, idx, 3))
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: out)
+    try:
+        with pytest.raises(ModelChangedError, match="_global_forward_hooks"):
+            generate(c, idx, 2)
+    finally:
+        handle.remove()
+    assert torch.equal(generate(c, idx, 3), generate_plain(model, idx, 3))
+
+
 class CumsumMaskAttention(nn.Module):
     """Causal through a mask the symbolic proof cannot read (``tril.cumsum(0) > 0`` is ``tril``), from a buffer."""
 

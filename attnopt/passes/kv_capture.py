@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from ..runtime.kv_cache import MaskCheck
 from ..spec import AttentionSpec
-from .canon import meta_value, shape_of
+from .canon import meta_value, shape_of, writes
 from .find_sites import Match
 from .masks import Add
 from .positions import PositionError, PositionPlan
@@ -95,6 +95,10 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
                             "state between calls cannot be cached by attnopt")
     module = ep.module()
     graph = module.graph
+    written = written_state(graph)
+    if written:  # (``buffers_to_mutate`` can be empty while the graph writes a buffer in place: torch 2.13)
+        raise PositionError(f"{type(model).__name__}.forward writes its buffers or parameters ({', '.join(written)}); "
+                            "a model that keeps state between calls cannot be cached by attnopt")
     graph._codegen = fx.graph.CodeGen()  # plain forward(tokens, ...) -> logits, no pytree wrapping
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
@@ -122,6 +126,34 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
     gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
     _tidy(gm)
     return gm, placeholders[0], ep
+
+
+def written_state(graph: fx.Graph) -> list[str]:
+    """The attributes (buffers, parameters) ``graph`` writes in place, directly or through ATen views of them
+    (``aten.add_(buf, 1)``, ``aten.copy_(buf, new)``, ``aten.slice`` then ``index_put_``)."""
+    found = []
+    for attr in (n for n in graph.nodes if n.op == "get_attr"):
+        todo, seen = [attr], {attr}
+        while todo:
+            node = todo.pop()
+            for user in node.users:
+                if writes(user, node):
+                    found.append(str(attr.target))
+                    todo = []
+                    break
+                if user not in seen and _is_view(user):
+                    seen.add(user)
+                    todo.append(user)
+    return found
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An ATen op whose result aliases its input (its schema says so) and writes nothing."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return any(r.alias_info is not None for r in schema.returns) and not schema.is_mutable
 
 
 def _mask_of_ones(model: nn.Module, graph: fx.Graph, placeholders: list[fx.Node]) -> None:

@@ -92,6 +92,8 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+#: Hooks every module runs (``nn.modules.module.register_module_forward_hook``): a dict per kind, by name.
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 
 
 def _plain(value: Any) -> Any:
@@ -153,6 +155,10 @@ class _Attrs:
         for path, mod in self.model.named_modules():
             owners.append((path, mod))
             seen.add(id(mod))
+        for hooks in _GLOBAL_HOOKS:
+            held = getattr(nn.modules.module, hooks)
+            snap[f"torch.nn.modules.module.{hooks}"] = ("hooks", len(held), len(held))
+            sizes.append((held, len(held)))
         for path, obj in owners:
             d = obj.__dict__
             sizes.append((d, len(d)))
@@ -166,6 +172,9 @@ class _Attrs:
                 for hooks in _HOOKS:
                     snap[f"{path or '<root>'} {hooks}"] = ("hooks", len(d[hooks]), len(d[hooks]))
                     sizes.append((d[hooks], len(d[hooks])))
+                # ``forward`` set on the instance (a monkey patch) is what ``_call_impl`` runs
+                snap[f"{path or '<root>'} (forward)"] = ("forward", id(d.get("forward")), d.get("forward"))
+                same.append((d, "forward", d.get("forward")))
             for name, value in d.items():
                 if module and name in _MODULE_INTERNALS:
                     continue
@@ -207,6 +216,11 @@ class _Attrs:
                 raise ModelChangedError(
                     f"submodule `{path[:-len(' (module)')]}` of {name} {what} after attnopt.generation.cached(model); "
                     f"the cached graph runs the forward captured from the old one: {again}")
+            if kind == "forward":
+                where = path[:-len(" (forward)")]
+                raise ModelChangedError(
+                    f"`{where}.forward` of {name} was set on the instance after attnopt.generation.cached(model) (a "
+                    f"patched forward); the cached graph runs the forward captured: {again}")
             if kind == "hooks":
                 raise ModelChangedError(
                     f"`{path}` of {name}: forward hooks were added or removed after attnopt.generation.cached(model) "
