@@ -119,6 +119,26 @@ def test_compiled_cache_gives_the_same_tokens():
         cached(model, variant="auto", compile=True)
 
 
+def test_compiled_cache_keeps_one_graph_across_batch_sizes():
+    """The K/V caches are module attributes, which dynamo takes as static: without marking their batch axis
+    dynamic, the second batch size compiled the step again."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from attnopt.pipeline.kv import _dynamic_batch
+
+    model = _nanogpt()
+    c = cached(model)
+    counter = CompileCounterWithBackend("aot_eager")  # (dynamo alone does not specialise the batch; AOT does)
+    torch._dynamo.reset()
+    c.run = _dynamic_batch(torch.compile(c.graph_module, dynamic=True, backend=counter), c.sites)
+    counts = []
+    for b, t in [(2, 5), (3, 5), (4, 7), (2, 3)]:
+        idx = torch.randint(0, VOCAB, (b, t))
+        assert torch.equal(generate(c, idx, 3), generate_plain(model, idx, 3))
+        counts.append(counter.frame_count)
+    assert counts == counts[:1] * 4  # the first batch's graphs serve the others (unmarked: one more compile)
+
+
 def test_the_step_graph_reads_the_models_own_tensors_and_sites():
     """``cached`` runs a copy of the graph whose tensors sit in its instance dict (fewer lookups per step): the
     same objects as the capture's, the same KV-cache sites, so a weight written in place is seen."""

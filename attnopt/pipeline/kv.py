@@ -9,6 +9,8 @@ for why the result computes the same function.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -108,11 +110,29 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
                          f"({lm.bytes_per_token} B per position), more than memory_budget={budget} B: pass "
                          f"max_len <= {lm.longest_that_fits(budget)} or a larger memory_budget")
     if compile:
-        lm.run = torch.compile(gm, dynamic=True)
+        lm.run = _dynamic_batch(torch.compile(gm, dynamic=True), sites)
     else:  # 11. the same graphs with every tensor they read one attribute lookup away
         lm.run = local_attrs(gm)
         lm.rows_module = None if rows is None else local_attrs(rows)
     return lm
+
+
+def _dynamic_batch(compiled: Any, sites: list[KVCacheAttention]) -> Any:
+    """``compiled(idx, offset)`` with the batch axis of the tokens and of every K/V cache marked dynamic: the
+    caches are module attributes, which dynamo would otherwise take as static, fixing the batch size of the
+    first graphs (the second batch size then compiles them again). Batches of 1 and one-token prompts still get
+    their own graphs (dynamo specialises sizes 0 and 1)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def run(idx: torch.Tensor, offset: Any) -> torch.Tensor:
+        mark(idx, 0)
+        for s in sites:
+            for t in (s.k_cache, s.v_cache):
+                if t is not None:
+                    mark(t, 0)
+        return compiled(idx, offset)
+
+    return run
 
 
 def local_attrs(gm: fx.GraphModule) -> fx.GraphModule:
