@@ -55,8 +55,9 @@ variable names:
 * *zeroed probabilities were masked*: a ``masked_fill(m, 0)`` of the probabilities zeroes the keys the
   scores' own ``-inf`` or dtype-minimum fill hid (the same condition), so it changes only rows where every
   key is hidden, which become zero;
-* *a floor at the dtype's minimum*: ``torch.max(s, finfo.min)`` right before the softmax (XGLM), not in
-  float16 and not next to a finite fill, a sink or zeroed probabilities;
+* *a floor at the dtype's minimum*: ``torch.max(s, finfo.min)`` right before the softmax (XGLM), once, in the
+  dtype the scores are computed in (not after an upcast), not in float16 and not next to a finite fill, a sink,
+  zeroed probabilities or a ``-inf``-only mask;
 * *v is floating*;
 * *assemble the match*: the :class:`AttentionSpec` and the :class:`Match` (never refuses);
 * *no in-place write inside the site*: nothing the site reads is written between its first read
@@ -1753,8 +1754,9 @@ def _score_floor(op: Op, node: fx.Node, chain: list[tuple[str, Any]]) -> tuple[s
     ``-inf`` (``mode`` None: no step at all). Why the first is exact: it raises only ``-inf`` entries (a
     ``-inf`` mask, a score that overflowed next to the minimum) to the minimum. In a row that keeps any key
     those carry weight 0 either way; a row where every key is masked is uniform as written, which the site
-    reproduces with the floor applied to its mask and to the rows it computes as written
-    (:class:`~attnopt.runtime.site.AttentionSite`). Other floors are refused with their value."""
+    reproduces with its mask floored the same way on calls without gradients, and with the floor as spelled on
+    the rows it computes as written with gradients (:class:`~attnopt.runtime.site.AttentionSite`). Other floors
+    are refused with their value."""
     if op.kind == "floor":
         x, c = op.args
         mode = op.mode
