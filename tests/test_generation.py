@@ -398,5 +398,15 @@ def test_sliding_window_mask_is_cached_with_its_width():
     assert torch.equal(generate(c, idx, 12), generate_plain(model, idx, 12))
 
 
+def test_a_cached_model_says_it_cannot_be_copied():
+    import copy
+    import pickle
+
+    c = cached(_nanogpt())
+    for fn in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*attnopt\.generation\.cached\(model\)"):
+            fn(c)
+
+
 def test_public_names():
     assert set(generation.__all__) >= {"cached", "generate", "generate_plain", "CachedLM"}

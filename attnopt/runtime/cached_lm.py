@@ -656,6 +656,13 @@ class CachedLM:
     def __repr__(self) -> str:
         return f"CachedLM({self.name}, sites={len(self.sites)}, max_len={self.max_len}, length={self.length})"
 
+    def _not_copied(self, *_: Any) -> Any:
+        raise TypeError(f"a CachedLM ({self.name}) cannot be copied or pickled: it holds the captured graph, its "
+                        "caches and a watch over the model it was built from; build another one with "
+                        "attnopt.generation.cached(model) (on a copy of the model, for a copy)")
+
+    __deepcopy__ = __copy__ = __reduce_ex__ = _not_copied
+
 
 def _size(n: int) -> str:
     """Bytes as text: ``1536 B``, ``1.5 KiB``, ``3.2 MiB``, ``1.1 GiB``."""
