@@ -91,9 +91,9 @@ class AttentionSpec:
             whose every key is hidden are zero (the rewrite zeroes them after the site).
         score_floor: ``"maximum"`` or ``"clamp"``: the scores are floored at the dtype's minimum right
             before the softmax (XGLM's ``torch.max(s, finfo.min)``; ``clamp(s, min=finfo.min)``), so a row
-            whose every key is masked is uniform, ``-inf`` included. The site floors its mask tensor the
-            same way and applies the floor, as spelled (``maximum`` halves the gradient where the scores
-            equal the minimum), to the rows it computes as written.
+            whose every key is masked is uniform, ``-inf`` included. On calls without gradients the site
+            floors its mask tensor the same way; with gradients it computes such rows as written, the floor
+            as spelled (``maximum`` halves the gradient where the scores equal the minimum).
     """
 
     scale: float

@@ -20,6 +20,10 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..env import strict_guards
 from ..kernels.bands import is_band
 
+#: Whether a profiler records (``torch.profiler``, ``emit_itt``): the sites open their ``attnopt::<site>`` range
+#: only then, or while a graph is traced (a compiled graph keeps the range it was traced with).
+profiler_records = torch._C._autograd._profiler_enabled
+
 
 def is_fake(t: object) -> bool:
     """``t`` stands for a tensor while a graph is traced (a fake or functional tensor): it has no values."""

@@ -19,10 +19,7 @@ import torch.fx as fx
 from ..kernels.bands import band_pattern, window_keep
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout
-from .guards import is_fake
-
-#: Whether a profiler records: the site's range is only opened then (or while traced).
-_profiling = torch._C._autograd._profiler_enabled
+from .guards import is_fake, profiler_records
 
 aten = torch.ops.aten
 
@@ -130,9 +127,7 @@ class KVCacheAttention(DispatchingSite):
         # the site's range, only while a profiler records or a graph is traced by make_fx. Dynamo (``cached(...,
         # compile=True)``) drops such a range with a warning, and is asked first: it cannot trace the profiler
         # query, and a graph break there would split the compiled step at every site.
-        if torch.compiler.is_compiling():
-            out = self.run_candidate(q, keys, values, kwargs)
-        elif is_fake(q) or _profiling():
+        if not torch.compiler.is_compiling() and (is_fake(q) or profiler_records()):
             with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
                 out = self.run_candidate(q, keys, values, kwargs)
         else:

@@ -43,16 +43,11 @@ import math
 
 import torch
 
-from ..kernels.bands import window_keep
 from ..kernels.reference import reference_attention
 from ..kernels.registry import ScoreMod
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout, needs_grad
-from .guards import BufferGuard, ConditionGuard, is_fake, is_tracing
-
-#: Whether a profiler records (``torch.profiler``, ``emit_itt``): the site's range is only opened then,
-#: or while traced (a compiled graph keeps the range it was traced with).
-_profiling = torch._C._autograd._profiler_enabled
+from .guards import BufferGuard, ConditionGuard, is_fake, is_tracing, profiler_records
 
 #: ``AttentionSite`` call arguments: (q, k, v, mask, scale, dropout_p, *guarded buffers).
 GUARDED_ARGS_START = 6
@@ -148,7 +143,7 @@ class AttentionSite(DispatchingSite):
                         self.count_fallback("rows with every key hidden, with dropout: the call as written"
                                             if dropout_active else "rows with every key hidden, with gradients, "
                                             "past half the queries: the call as written")
-        if tracing or _profiling():
+        if tracing or profiler_records():
             with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
                 out = self._run(q, k, v, kwargs, filled, grad, tracing, as_written, hidden, hidden_rows)
         elif as_written or hidden_rows:
@@ -223,8 +218,8 @@ class AttentionSite(DispatchingSite):
         gradients (and its dropout of a uniform row).
         """
         mask = kwargs.get("attn_mask")
-        if self.spec.score_floor is not None:
-            return self._floored_as_written(q, k, v, kwargs, filled)
+        if self.spec.score_floor is not None:  # floored after the mask, as spelled (spec.score_floor)
+            kwargs = dict(kwargs, score_floor=self.spec.score_floor)
         if not (self.cut_fills and isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return reference_attention(q, k, v, **kwargs)
         if filled is None:
@@ -241,39 +236,6 @@ class AttentionSite(DispatchingSite):
 
         rest = {n: a for n, a in kwargs.items() if n not in ("attn_mask", "score_mod")}
         return reference_attention(q, k, v, attn_mask=None, score_mod=fill_as_written, **rest)
-
-    def _floored_as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
-                            filled: torch.Tensor | None) -> torch.Tensor:
-        """``_as_written`` for scores floored at the dtype's minimum (``spec.score_floor``): the mask added (or
-        its fills put in place), then ``torch.maximum`` or ``clamp_min`` as the code spelled it, which give the
-        scores of a fully masked row different gradients (``maximum`` halves them where they tie)."""
-        mask = kwargs.get("attn_mask")
-        inner = kwargs.get("score_mod")
-        low = torch.finfo(q.dtype).min
-        cut = filled if filled is not None else (mask <= low / 2 if self.cut_fills and isinstance(
-            mask, torch.Tensor) and mask.is_floating_point() else None)
-        if cut is not None and cut.dim() < 4:
-            cut = cut.reshape((1,) * (4 - cut.dim()) + tuple(cut.shape))
-        maximum = self.spec.score_floor == "maximum"
-
-        def floored(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,
-                    ki: torch.Tensor) -> torch.Tensor:
-            if inner is not None:
-                score = inner(score, b, h, qi, ki)
-            if isinstance(mask, torch.Tensor):
-                score = torch.where(cut, mask, score + mask) if cut is not None else score + mask
-            if kwargs.get("is_causal"):
-                tq, tk = score.size(-2), score.size(-1)
-                window = kwargs.get("window")
-                keep = torch.ones(tq, tk, dtype=torch.bool, device=score.device).tril() if window is None \
-                    else window_keep(tq, tk, window, score.device)
-                score = score.masked_fill(~keep, float("-inf"))
-            if maximum:
-                return torch.maximum(score, torch.full((), low, dtype=score.dtype, device=score.device))
-            return score.clamp_min(low)
-
-        rest = {n: a for n, a in kwargs.items() if n not in ("attn_mask", "score_mod", "is_causal", "window")}
-        return reference_attention(q, k, v, attn_mask=None, score_mod=floored, **rest)
 
     def _guards_hold(self, guarded: tuple[torch.Tensor, ...], tracing: bool) -> bool:
         if not self.guards:
