@@ -33,3 +33,17 @@ class Fn(nn.Module):
 
     def forward(self, *args):
         return self.fn(self, *args)
+
+
+def assert_param_grads_close(model: nn.Module, out: torch.Tensor, ref: torch.Tensor, *, atol: float = 1e-5,
+                             rtol: float = 1e-4, reduction: str = "mean") -> None:
+    """The gradients of ``out.square().mean()`` and ``ref.square().mean()`` (``.sum()`` with ``reduction="sum"``;
+    the rewritten model's output and the model's own) with respect to every trainable parameter of ``model``
+    agree; an unused parameter on both."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    have = torch.autograd.grad(getattr(out.square(), reduction)(), params, allow_unused=True)
+    want = torch.autograd.grad(getattr(ref.square(), reduction)(), params, allow_unused=True)
+    for a, b in zip(have, want):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol)

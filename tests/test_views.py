@@ -306,13 +306,7 @@ def test_hf_models_with_viewed_scores_are_rewritten_outputs_and_grads_equal(buil
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     report = attnopt.explain(opt)
     assert report.rewritten == sites and all(r.decision == "rewritten" for r in report.records), str(report)
-    params = [p for p in model.parameters() if p.requires_grad]
-    g_out = torch.autograd.grad(out.square().mean(), params, allow_unused=True)
-    g_ref = torch.autograd.grad(ref.square().mean(), params, allow_unused=True)
-    for a, b in zip(g_out, g_ref):
-        assert (a is None) == (b is None)
-        if b is not None:
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    support.assert_param_grads_close(model, out, ref)
 
 
 def test_views_with_unprovable_symbolic_sizes_are_refused() -> None:
