@@ -139,12 +139,13 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
     same = all(torch.equal(reference, fn()) for name, fn in fns.items() if name != "plain") \
         and torch.equal(reference, first) and (not args.compiled or torch.equal(reference, compiled_first))
     medians = time_alternating(fns, (), repeats=args.rounds, warmup=0, progress="generate")
-    steps = [cached_step_times(lm, prompt, args.new) for _ in range(args.rounds)]
+    steps, steps_c = [], []
+    for _ in range(args.rounds):  # eager and (with --compiled) compiled generations, alternating
+        steps.append(cached_step_times(lm, prompt, args.new))
+        if args.compiled:
+            steps_c.append(cached_step_times(lmc, prompt, args.new))
     per_step = [statistics.median(s[i] for s in steps) for i in range(len(steps[0]))]
-    per_step_c = None
-    if args.compiled:  # the compiled step too, in rounds alternating with the eager one above
-        steps_c = [cached_step_times(lmc, prompt, args.new) for _ in range(args.rounds)]
-        per_step_c = [statistics.median(s[i] for s in steps_c) for i in range(len(steps_c[0]))]
+    per_step_c = [statistics.median(s[i] for s in steps_c) for i in range(len(steps_c[0]))] if steps_c else None
     rows = []
     for pos in args.positions:
         i = pos - args.prompt  # step i feeds the token at position prompt + i
