@@ -432,7 +432,7 @@ def test_finite_fill_with_other_masks_is_refused() -> None:
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     report = attnopt.explain(FiniteFill(-1e4, also_inf=True), q, k, v, torch.ones(5, 5, dtype=torch.bool).triu(1),
                              variant="spy")
-    assert report.rewritten == 0 and "rewritten only alone" in report.records[0].reason
+    assert report.rewritten == 0 and "together with fills of other values" in report.records[0].reason
 
 
 # ----------------------------------------------------------------------------- run-time terms (padding masks)

@@ -53,10 +53,10 @@ LOOKALIKES = {
     "talking_heads": (lambda m, q, k, v: F.softmax(torch.einsum("bhqk,hg->bgqk", scores(q, k), m.mix), -1) @ v,
                       "between the product and the softmax"),
     # (an extra logit column dropped after the softmax is an attention sink: tests/test_sinks.py)
-    # a finite fill next to another mask: fully masked rows would average a different set of keys
+    # a finite fill next to a fill of another value: fully masked rows would average a different set of keys
     "fill_minus_1e4_and_minus_inf": (lambda m, q, k, v: F.softmax(scores(q, k).masked_fill(
         torch.ones(T, T, dtype=torch.bool).triu(1), -1e4).masked_fill(torch.eye(T, dtype=torch.bool), float("-inf")),
-        -1) @ v, "rewritten only alone"),
+        -1) @ v, "together with fills of other values"),
     "fill_positive": (lambda m, q, k, v: F.softmax(torch.where(
         torch.ones(T, T, dtype=torch.bool).tril(), scores(q, k), 5.0), -1) @ v, "does not suppress the masked keys"),
 }

@@ -83,6 +83,7 @@ class MaskPlan:
     min_rows: str = "none"  # see AttentionSpec.min_rows
     fill_spelling: str = ""
     bound_fill: float | None = None  # a finite fill (-1e4, -100): exact under a bound checked per call
+    fill_with_adds: bool = False  # with ``bound_fill``: added masks too (rows the fill may weigh run as written)
     window: int | None = None  # with ``causal``: keys at most ``window - 1`` behind the query are kept
     patterns: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = field(default_factory=list)  # per guarded buffer
     conditions: list[tuple[fx.Node, bool]] = field(default_factory=list)  # run-time terms the proof assumes
@@ -633,19 +634,26 @@ def _bounded_fill_plan(terms: list[Any], finite: list[Fill], score_dtype: torch.
     site checks the bound on every call, computing the fill as written when it does not hold.
     A causal pattern is still proven (``plan_mask``), so a legacy ``masked_fill(~tril, -1e4)``
     runs with ``is_causal`` whenever the bound holds.
-    Only fills of one value with no added masks are planned (mixed values change which keys a
-    fully masked row averages).
+    Fills of one value are planned, alone or with added masks (OpenAI-GPT's ``w * b + -1e4 * (1 - b)``
+    followed by ``+ attention_mask``). With added masks the plan is ``fill_with_adds``: the mask
+    tensor holds the fill as written (``-1e4`` plus what is added after it) and the site is told where
+    the fills are (``filled``); a row may then weigh its filled keys (a left-padded query whose every
+    other key is padded averages its filled keys as written), so the site computes the rows where the
+    bound does not hold as written (:class:`~attnopt.runtime.site.MixedFillSite`). Fills of several
+    values, or a finite fill next to ``-inf``/minimum fills, are left as written.
     """
     values = {_in_dtype(f.value, f.dtype or score_dtype) for f in finite}
-    if len(values) != 1 or any(isinstance(t, Add) for t in terms) or len(finite) != len(terms):
-        return (f"the mask fills scores with {finite[0].value!r} together with other masks or values; a finite fill "
-                "(neither -inf nor the dtype's minimum) is rewritten only alone, since it changes rows where every "
-                "key is masked")
+    fills = [t for t in terms if isinstance(t, Fill)]
+    if len(values) != 1 or len(finite) != len(fills):
+        return (f"the mask fills scores with {finite[0].value!r} together with fills of other values; a finite fill "
+                "(neither -inf nor the dtype's minimum) is rewritten only next to added masks or alone, since mixed "
+                "fill values change which keys a row with every key masked averages")
     (value,) = values
     if not math.isfinite(value) or value > -1.0:
         return (f"the mask fills scores with {value!r}, which does not suppress the masked keys; left as written")
     plan = MaskPlan("additive", list(terms), bound_fill=value)  # min_rows: set with the causal proof
-    plan.fill_spelling = f"{value:g}"
+    plan.fill_with_adds = len(fills) != len(terms)
+    plan.fill_spelling = f"{value:g}" + (", added" if plan.fill_with_adds else "")
     return plan
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.guards import BufferGuard, ConditionGuard
-from ..runtime.site import AttentionSite, BoundedFillSite
+from ..runtime.site import AttentionSite, BoundedFillSite, MixedFillSite
 from ..spec import REWRITTEN
 from .canon import attr_value, dtype_of, is_call_input, is_zero_dim_tensor, meta_value, shape_of, writes
 from .find_sites import Match, SizeOf, reads_only_dtype, reads_only_shape
@@ -178,8 +178,9 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
             keep = t.keep_when_true
             cond = _cond(graph, t)
             filled_when = cond if not keep else graph.call_function(torch.logical_not, (cond,))
-            # a bounded finite fill reaches the candidate as the dtype's minimum (BoundedFillSite)
-            value = torch.finfo(dtype).min if plan.bound_fill is not None else t.value
+            # a bounded finite fill alone reaches the candidate as the dtype's minimum (BoundedFillSite); next
+            # to added masks as written, with ``filled`` beside it (MixedFillSite)
+            value = torch.finfo(dtype).min if plan.bound_fill is not None and not plan.fill_with_adds else t.value
             if mask is None:
                 mask = graph.call_function(_filled, (filled_when, value, dtype))
             else:
@@ -283,7 +284,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             while hasattr(gm, name):
                 name += "_"
             where = f"{m.record.module_path} {m.record.source}".strip()
-            site_cls = BoundedFillSite if m.mask.bound_fill is not None else AttentionSite
+            site_cls = AttentionSite if m.mask.bound_fill is None else \
+                MixedFillSite if m.mask.fill_with_adds else BoundedFillSite
             cut_fills = m.mask.kind == "additive" and any(isinstance(t, Fill) for t in m.mask.terms)
             site = site_cls(m.record.name, m.spec, candidate, guards, where, score_mod=m.score_mod,
                             cut_fills=cut_fills)

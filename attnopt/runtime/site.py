@@ -34,7 +34,9 @@ run-time numbers). The module
 
 :class:`BoundedFillSite` is the site of a mask that fills a finite value (``masked_fill(m, -1e4)``):
 it hands the candidate the dtype's minimum only on calls where the fill provably carries no weight
-(:func:`fill_is_negligible`) and computes the fill as written otherwise.
+(:func:`fill_is_negligible`) and computes the fill as written otherwise. :class:`MixedFillSite` does the
+same per row for a finite fill next to added masks (a padding mask): the rows where the fill may carry
+weight are computed as written.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ class AttentionSite(DispatchingSite):
         #: the additive mask holds ``masked_fill`` values: as written those replace the score, so the
         #: score gets no gradient there (``_as_written`` reproduces that on rows it computes itself)
         self.cut_fills = cut_fills
+
+    #: the site decides per row whether a finite fill may carry weight (:class:`MixedFillSite`)
+    fill_rows = False
+
+    def _fill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, filled: torch.Tensor,
+                   grad: bool, tracing: bool, dropout_active: bool) -> torch.Tensor:
+        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"{self.site_name}: {self.candidate}, {self.spec.describe()}"
@@ -118,6 +127,13 @@ class AttentionSite(DispatchingSite):
             # hidden rows computed as written below reproduce.
             attn_mask = mask = floored_mask(attn_mask, q.dtype)
             kwargs["attn_mask"] = attn_mask
+        if self.fill_rows and attn_mask is not None and filled is not None:  # MixedFillSite
+            if tracing or profiler_records():
+                with torch.autograd.profiler.record_function(f"attnopt::{self.site_name}"):
+                    out = self._fill_rows(q, k, v, kwargs, filled, grad, tracing, dropout_active)
+            else:
+                out = self._fill_rows(q, k, v, kwargs, filled, grad, tracing, dropout_active)
+            return self._finish(out, use_causal, mask, lead)
         in_graph = tracing and not self.tuning_run  # traced into a compiled graph: the mask's values are unknown
         min_rows = None
         as_written = False
@@ -155,6 +171,11 @@ class AttentionSite(DispatchingSite):
             if v_mean.size(-3) != out.size(-3):
                 v_mean = v_mean.repeat_interleave(out.size(-3) // v_mean.size(-3), dim=-3)
             out = torch.where(min_rows, v_mean, out)
+        return self._finish(out, use_causal, mask, lead)
+
+    def _finish(self, out: torch.Tensor, use_causal: bool, mask: torch.Tensor | None, lead: int) -> torch.Tensor:
+        """NaN rows restored where every key was masked with ``-inf``; the call's own layout and dtype."""
+        spec = self.spec
         if spec.nan_rows and not use_causal and mask is not None:
             if mask.dtype == torch.bool:
                 dead = ~mask.any(-1, keepdim=True)
@@ -285,6 +306,80 @@ class BoundedFillSite(AttentionSite):
         if not tracing:
             self.count_fallback(f"a fill of {fill:g} that may carry weight on this call: the call as written")
         return _filled_as_written(q, k, v, fill, **kwargs)
+
+
+class MixedFillSite(BoundedFillSite):
+    """A site whose mask fills a finite value ``f`` and also adds masks: OpenAI-GPT's
+    ``w * b + -1e4 * (1 - b)`` followed by ``+ attention_mask`` (0 or the dtype's minimum per key).
+
+    The mask tensor holds the scores' mask as written (``f`` plus whatever is added after the fill)
+    and ``filled`` (the fills' union) says where it replaces the score. The candidate receives the
+    dtype's minimum at the filled keys. A row is served by the candidate when, as written, its
+    filled keys provably carry less than ``2**-60`` of its weight: with ``F`` its largest mask value
+    at a filled key, ``A`` its largest at any other key and ``|s| <= |scale| * max|q_i| * max|k_j|``
+    (Cauchy-Schwarz, as in :func:`fill_is_negligible`),
+
+        ``F - A + bound + log(Tk) <= -42``.
+
+    Every other row is computed as written (:meth:`AttentionSite._as_written`: the filled keys take
+    their mask value, the others add it): a left-padded query whose keys up to itself are all padded
+    averages the later keys it filled with ``-1e4``, as written, not the padded ones. The candidate
+    runs the whole call with those rows' mask set to 0 and ``torch.where`` takes the written rows, so
+    gradients are exact for the same reason as in :meth:`AttentionSite._hidden_rows_as_written`. The
+    whole call runs as written when such rows reach past half the queries, under dropout (the rows
+    would come from two draws), and inside a compiled graph (where the mask's values are unknown).
+    Without a mask tensor (a proven causal pattern) it is :class:`BoundedFillSite`.
+    """
+
+    fill_rows = True
+
+    def _fill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, filled: torch.Tensor,
+                   grad: bool, tracing: bool, dropout_active: bool) -> torch.Tensor:
+        mask, filled = (t.reshape((1,) * max(0, 4 - t.dim()) + tuple(t.shape)) for t in (kwargs["attn_mask"], filled))
+        kwargs = dict(kwargs, attn_mask=mask)
+        if tracing and not self.tuning_run:
+            return self._as_written(q, k, v, kwargs, filled)
+        weighty = self.weighty_rows(q, k, mask, filled, kwargs["scale"], grad)  # (..., Tq, 1)
+        rows = _rows_up_to_last(weighty, q.size(-2))
+        minimum = torch.finfo(mask.dtype).min
+        if not rows:
+            return self.run_candidate(q, k, v, dict(kwargs, attn_mask=mask.masked_fill(filled, minimum)), grad=grad,
+                                      tracing=tracing)
+        fill = self.spec.fill_value
+        if dropout_active or 2 * rows > q.size(-2):
+            self.count_fallback(f"rows whose keys filled with {fill:g} may carry weight"
+                                + (", with dropout" if dropout_active else ", past half the queries")
+                                + ": the call as written")
+            return self._as_written(q, k, v, kwargs, filled)
+        self.count_fallback(f"rows whose keys filled with {fill:g} may carry weight: the candidate, and those rows "
+                            "as written")
+        tq = q.size(-2)
+        served = mask.masked_fill(filled, minimum).masked_fill(weighty, 0.0)
+        out = self.run_candidate(q, k, v, dict(kwargs, attn_mask=served), grad=grad, tracing=tracing)
+
+        def head(t: torch.Tensor) -> torch.Tensor:  # the first ``rows`` queries of a mask-shaped tensor
+            return t[..., :rows, :] if t.dim() >= 2 and t.size(-2) == tq else t
+
+        written = self._as_written(q[..., :rows, :], k, v, dict(kwargs, attn_mask=head(mask)), head(filled))
+        first = torch.where(head(weighty), written, out[..., :rows, :])
+        return torch.cat([first, out[..., rows:, :]], dim=-2)
+
+    def weighty_rows(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, filled: torch.Tensor,
+                     scale: float, grad: bool = False) -> torch.Tensor:
+        """``(..., Tq, 1)``: the rows whose filled keys may carry weight as written (see the class docstring);
+        a NaN margin (a row of ``-inf`` only) counts as such a row. With gradients also the rows whose other
+        keys are all hidden by a large value (``-SATURATED``), whose fused backward is not exact (see the
+        module docstring)."""
+        with torch.no_grad():
+            qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax()
+            kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax()
+            bound = abs(scale) * qn * kn * 1.01 + 1.0  # 1% and 1.0 of slack for the scores' rounding
+            m = mask.detach().float()
+            at_fill = m.masked_fill(~filled, -math.inf).amax(-1, keepdim=True)
+            elsewhere = m.masked_fill(filled, -math.inf).amax(-1, keepdim=True)
+            margin = at_fill - elsewhere + bound + math.log(max(k.size(-2), 1))
+            weighty = ~(margin <= -42.0)
+            return weighty | (elsewhere <= -SATURATED) if grad else weighty
 
 
 def floored_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
