@@ -1930,6 +1930,9 @@ def _why_not_fill(x: Any) -> str:
     """Why ``x`` is no constant fill, for a tensor (empty for other values)."""
     if not isinstance(x, fx.Node) or meta_value(x) is None or isinstance(meta_value(x), (int, float, bool)):
         return ""
+    if isinstance(meta_value(x), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return (f" (the fill `{x.name}` is a number read at run time: dynamo passes a float attribute such as "
+                "`self.fill` as an input once it has seen two values of it, so it may change between calls)")
     if not is_zero_dim_tensor(x):
         return f" (the fill `{x.name}` is a tensor of shape {list(shape_of(x) or ())}, not a 0-d constant)"
     if x.op in ("placeholder", "get_attr"):

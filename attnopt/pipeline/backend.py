@@ -142,9 +142,66 @@ def random_in_checkpoint(gm: fx.GraphModule) -> str | None:
     return None
 
 
+class _OnceDifferentiable(torch.autograd.Function):
+    """The identity, whose backward refuses to be recorded (``create_graph=True`` through it raises)."""
+
+    @staticmethod
+    def forward(ctx: Any, *xs: torch.Tensor) -> Any:
+        return tuple(x.clone() for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():  # the engine records the backward: create_graph=True
+            raise RuntimeError(
+                "attnopt: a backward with create_graph=True (a double backward) reaches a torch.autograd.Function "
+                "of the model; dynamo's capture runs its backward without recording it, so the second-order "
+                "terms through it would be silently lost. Run this model as written for double backward")
+        return grads
+
+
+def _custom_function_apply(*args: Any, **kwargs: Any) -> Any:
+    """Dynamo's ``autograd_function_apply`` (a user's ``torch.autograd.Function``), its outputs marked so that a
+    double backward through them raises (see :func:`guard_custom_functions`)."""
+    out = torch.ops.higher_order.autograd_function_apply(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        return out
+    single = isinstance(out, torch.Tensor)
+    outs = (out,) if single else tuple(out)
+    marked = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not marked:
+        return out
+    guarded = list(outs)
+    for i, o in zip(marked, _OnceDifferentiable.apply(*(outs[i] for i in marked))):
+        guarded[i] = o
+    return guarded[0] if single else type(out)(guarded) if isinstance(out, tuple) else guarded
+
+
+def guard_custom_functions(gm: fx.GraphModule) -> int:
+    """Mark the outputs of every user ``torch.autograd.Function`` in ``gm`` (and its subgraphs).
+
+    Run eagerly as dynamo captures it, such a Function's backward runs with gradients disabled (its backward
+    body starts with ``_set_grad_enabled(False)``): a double backward (``autograd.grad(..., create_graph=True)``
+    then another ``grad``) silently loses the second-order terms through the custom backward
+    (``torch.compile(backend="eager")`` shows the same). With the outputs passed through
+    :class:`_OnceDifferentiable`, first-order gradients are unchanged (the attention is still rewritten, its
+    per-call dispatch kept) and a ``create_graph=True`` backward that reaches the Function raises instead.
+    Returns how many calls were marked.
+    """
+    marked = 0
+    for node in gm.graph.nodes:
+        name = str(getattr(node.target, "__name__", node.target))
+        if node.op == "call_function" and "autograd_function_apply" in name:
+            node.target = _custom_function_apply
+            marked += 1
+    if marked:
+        gm.recompile()
+    return marked + sum(guard_custom_functions(sub) for sub in gm.children() if isinstance(sub, fx.GraphModule))
+
+
 def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeConfig,
             fallback: fx.GraphModule | None = None) -> Callable[..., Any]:
     if not config.compile:
+        guard_custom_functions(gm)
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
