@@ -64,6 +64,7 @@ dtype's tolerance, like every attnopt rewrite. Dropout must be inactive (``model
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -183,11 +184,12 @@ class _Batch:
         return [out[b, pad[b]:t + n] for b, n in enumerate(stopping.kept(len(new)))]
 
 
-def _check_total(longest: int, max_new_tokens: int, max_len: int | None) -> None:
+def _check_total(longest: int, max_new_tokens: int, max_len: int | None, source: str | None = None) -> None:
     needed = longest + max_new_tokens - 1  # the last new token is never fed back
     if max_len is not None and max_new_tokens > 0 and needed > max_len:
+        why = f" ({source})" if source else ""
         raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones needs {needed} positions, "
-                         f"more than max_len={max_len}; generate fewer tokens or shorten the prompt")
+                         f"more than max_len={max_len}{why}; generate fewer tokens or shorten the prompt")
 
 
 #: ``stop(ids)``: ids ``(B, T)`` so far, the new token last; True (all) or a ``(B,)`` bool tensor (per sequence).
@@ -205,7 +207,7 @@ class _Stopping:
 
     def __init__(self, eos_token_id: int | Sequence[int] | None, stop: StopFn | None, pad_token_id: int | None,
                  idx: torch.Tensor, trimmed: bool = False):
-        ends = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        ends = _token_ids(eos_token_id)
         if any(not isinstance(e, int) or isinstance(e, bool) or e < 0 for e in ends):
             raise ValueError(f"eos_token_id must be a token id >= 0 or a list of them, got {eos_token_id!r}")
         if stop is not None and not callable(stop):
@@ -239,6 +241,8 @@ class _Stopping:
             newly |= torch.isin(nxt, self.ends)
         if self.stop is not None:
             said = self.stop(torch.cat((seq, nxt), dim=1))
+            if said is None:
+                raise TypeError(f"stop must return a bool or a ({nxt.size(0)},) bool tensor, got {said!r}")
             said = torch.as_tensor(said, dtype=torch.bool, device=nxt.device)
             if said.dim() == 0:
                 said = said.expand(nxt.size(0))
@@ -248,6 +252,19 @@ class _Stopping:
             newly |= said.reshape(-1, 1)
         self.done |= newly
         return nxt, bool(self.done.all())
+
+
+def _token_ids(value: Any) -> list[Any]:
+    """``eos_token_id`` as a list: an int, a 0-d tensor or NumPy integer, or a sequence (or 1-D tensor) of them."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(x) for x in value.flatten().tolist()] if not value.is_floating_point() else [value]
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        return [operator.index(value)]
+    if isinstance(value, (list, tuple, set)):
+        return [operator.index(v) if hasattr(v, "__index__") and not isinstance(v, bool) else v for v in value]
+    return [value]
 
 
 def _decode(first: Callable[[torch.Tensor], torch.Tensor], step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -334,7 +351,7 @@ def _stream(model: nn.Module | CachedLM, batch: _Batch, max_new_tokens: int, sto
         lm, reused = model, False
     else:
         lm, reused = _reused(model, max_len, variant, compile)
-    _check_total(batch.longest, max_new_tokens, lm.max_len)
+    _check_total(batch.longest, max_new_tokens, lm.max_len, lm.max_len_source)
     if max_new_tokens == 0:
         return
     pick = _picker(temperature, top_k, do_sample, generator)

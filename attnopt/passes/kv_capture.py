@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import sympy
@@ -100,9 +101,10 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
         raise PositionError(f"{type(model).__name__}.forward writes its buffers or parameters ({', '.join(written)}); "
                             "a model that keeps state between calls cannot be cached by attnopt")
     graph._codegen = fx.graph.CodeGen()  # plain forward(tokens, ...) -> logits, no pytree wrapping
+    excluded = shape_guards(model, ep, params[0] if params else "idx")
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
-            graph.erase_node(node)  # input range checks; the cache checks max_len itself
+            graph.erase_node(node)  # the input checks: read above (shape_guards); the cache checks max_len itself
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if "attention_mask" in kwargs:
         _mask_of_ones(model, graph, placeholders)
@@ -125,7 +127,59 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
     out.args = (flat[index],)
     gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
     _tidy(gm)
+    gm.meta["excluded_sizes"] = excluded
     return gm, placeholders[0], ep
+
+
+_SIZE = r"L\['(\w+)'\]\.size\(\)\[(\d+)\]"
+_BOUND = re.compile(rf"^{_SIZE} (<=|<|!=) (\d+)$")
+_SAME = re.compile(rf"^{_SIZE} == {_SIZE}$")
+
+
+def _unwrap(text: str) -> str:
+    """``text`` without parentheses around the whole of it."""
+    while text.startswith("(") and text.endswith(")"):
+        depth = 0
+        for i, c in enumerate(text):
+            depth += (c == "(") - (c == ")")
+            if depth == 0 and i < len(text) - 1:
+                return text  # the first parenthesis closes before the end: ``(a) == (b)``
+        text = text[1:-1].strip()
+    return text
+
+
+def shape_guards(model: nn.Module, ep: Any, tokens: str) -> list[tuple[int, int]]:
+    """Read the conditions on the input sizes ``torch.export`` recorded while tracing (``ep._guards_code``): what
+    must hold for the traced graph to be the model's forward. Returns the single excluded sizes, ``(dim, n)``
+    for a condition ``size != n`` (``attnopt.pipeline.kv`` runs the model at that size and compares), and
+    raises :class:`PositionError` for any other condition but an upper bound on the length (``max_len``
+    follows it: ``resolve_max_len``) or equal sizes of the tokens and a captured mask.
+
+    A cached step runs the graph with other sizes than the capture (one new token, any batch), so a Python
+    branch on the batch size or the length (``if T % 2 == 0:``) would be served by the branch traced. Branches
+    that only differ at a size of 1 (``if B > 1:``) leave no condition: export assumes sizes of at least 2;
+    those are what ``pipeline.kv``'s probe at batch 1 and length 1 compares.
+    """
+    guards = getattr(ep, "_guards_code", None)
+    excluded: list[tuple[int, int]] = []
+    for g in guards or ():
+        text = _unwrap(str(g).strip())
+        m = _BOUND.match(text)
+        if m and m.group(1) == tokens and m.group(2) in ("0", "1"):
+            dim, op, n = int(m.group(2)), m.group(3), int(m.group(4))
+            if op == "!=":
+                excluded.append((dim, n))
+                continue
+            if dim == 1:
+                continue  # an upper bound on the length: the range constraint gives it to max_len
+        if _SAME.match(text):
+            continue  # a mask captured with the tokens' shape (forward_kwargs)
+        raise PositionError(
+            f"{type(model).__name__}.forward takes a path that depends on the input's size: torch.export recorded "
+            f"the condition `{text}` for the traced graph. A cached step runs the graph for one new token (and "
+            "other batch sizes) while the model as written sees the whole sequence, so the path traced at capture "
+            "would not be the model's on every step; remove the branch on the batch size or length from forward")
+    return excluded
 
 
 def written_state(graph: fx.Graph) -> list[str]:
@@ -225,7 +279,8 @@ def resolve_max_len(requested: int | None, declared: int | None, plan: PositionP
     vr = ep.range_constraints.get(seq)
     if vr is not None:
         if isinstance(vr.upper, (int, sympy.Integer)):
-            hard.append(("a length check in forward", int(vr.upper)))
+            hard.append((f"forward's code holds only up to {int(vr.upper)} tokens: a length check or a branch on "
+                         "the length such as `if T > n:`, as torch.export traced it", int(vr.upper)))
     tightest = min(hard, key=lambda b: b[1], default=None)
     if requested is not None:
         if tightest is not None and requested > tightest[1]:

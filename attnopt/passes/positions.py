@@ -99,14 +99,14 @@ class PositionPlan:
 def _expr(x: Any) -> Any:
     if isinstance(x, fx.Node):
         x = meta_value(x)
-    if isinstance(x, torch.SymInt):
-        return x.node.expr
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return x.node.expr  # a SymFloat (``1.0 / T``, ``T ** 0.5``) or SymBool (``T > 3``) is the length too
     return x
 
 
 def _involves(x: Any, seq: sympy.Expr) -> bool:
     e = _expr(x)
-    return isinstance(e, sympy.Expr) and seq in e.free_symbols
+    return isinstance(e, sympy.Basic) and seq in e.free_symbols
 
 
 def _is_seq(x: Any, seq: sympy.Expr) -> bool:
@@ -269,6 +269,10 @@ class _Analysis:
             if target is operator.getitem:
                 return self.kind(node.args[0])
             raise _Refuse("is not known to act on each position separately")
+        if "scaled_dot_product" in target.overloadpacket.__name__:
+            raise _Refuse("calls scaled_dot_product_attention itself: the cache serves the hand-written attention "
+                          "attnopt rewrites (a Hugging Face model: load it with attn_implementation=\"eager\"; "
+                          "or use the model's own cache with attnopt.optimize(model))")
         if torch.Tag.nondeterministic_seeded in target.tags and not _is_inactive_dropout(node):
             raise _Refuse("is random (dropout active? call model.eval() before generating)")
         tensor_kinds = [self.kind(i) for i in inputs if self.kind(i) != SHAPE]
@@ -521,7 +525,13 @@ def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     else:
         table, indices = kw["input"], kw["indices"]
         if len(indices) != 1 or not isinstance(indices[0], fx.Node):
-            raise _Refuse("indexes with more than one index tensor")
+            tensors = [i for i, x in enumerate(indices) if isinstance(x, fx.Node)]
+            if len(tensors) == 1 and tensors[0] in a.axes(table):  # ``x[:, [-1], :]``: nanoGPT's inference path
+                raise _Refuse(f"indexes the sequence axis (dim {tensors[0]}) with a tensor, e.g. `x[:, [-1]]` for "
+                              "the last position only; the cache needs forward to return logits for every position "
+                              "(nanoGPT: the path taken with targets)")
+            raise _Refuse(f"indexes {len(tensors)} axes with index tensors (dims {tensors}); attnopt follows "
+                          "one index tensor on the first axis")
         idx = indices[0]
     if a.kind(table) != CONST:
         raise _Refuse("gathers from a tensor computed from the sequence")

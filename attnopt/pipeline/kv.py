@@ -3,7 +3,8 @@
 capture (``passes.kv_capture``) -> find sites -> keep the cacheable ones -> rewrite them to site
 modules -> swap each for a :class:`~attnopt.runtime.kv_cache.KVCacheAttention` -> prove positions
 -> copy the graph with positions read from an input (ragged batches) -> shift positions by the offset
--> pin what the capture read. See :mod:`attnopt.generation`
+-> compare with the model as written where export assumed sizes of at least 2 -> pin what the capture
+read. See :mod:`attnopt.generation`
 for why the result computes the same function.
 """
 
@@ -22,11 +23,13 @@ from ..passes.kv_capture import (
     cache_bytes_per_token,
     capture_lm,
     config_max,
+    forward_kwargs,
+    logits_of,
     mask_check,
     not_cacheable,
     resolve_max_len,
 )
-from ..passes.positions import analyse_positions, index_positions, offset_positions
+from ..passes.positions import PositionError, analyse_positions, index_positions, offset_positions
 from ..passes.rewrite_sdpa import rewrite_sites
 from ..runtime.cached_lm import CachedLM, watch_model
 from ..runtime.kv_cache import KVCacheAttention, MaskCheck
@@ -103,18 +106,104 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         s.max_len, s.bytes_per_token = limit, cache_bytes_per_token(node, tokens)
     lm = CachedLM(gm, sites, limit, source, plan, type(model).__name__, rows=rows)
     lm.mask_checks = [c for c in checks if c.site_name in {s.site_name for s in sites}]
-    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 10. pin what the capture read
     lm.memory_budget = budget
     if budget is not None and lm.bytes_per_sequence is not None and lm.bytes_per_sequence > budget:
         raise ValueError(f"one sequence of max_len={limit} needs {lm.bytes_per_sequence} B of K/V cache "
                          f"({lm.bytes_per_token} B per position), more than memory_budget={budget} B: pass "
                          f"max_len <= {lm.longest_that_fits(budget)} or a larger memory_budget")
+    lm.run = local_attrs(gm)  # 11. the same graphs with every tensor they read one attribute lookup away
+    lm.rows_module = None if rows is None else local_attrs(rows)
+    compare_small_sizes(lm, model, gm.meta.get("excluded_sizes", []))  # 12. batch 1, length 1, excluded sizes
+    lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 13. pin what the capture read (after 12's forwards)
     if compile:
-        lm.run = _dynamic_batch(torch.compile(gm, dynamic=True), sites)
-    else:  # 11. the same graphs with every tensor they read one attribute lookup away
-        lm.run = local_attrs(gm)
-        lm.rows_module = None if rows is None else local_attrs(rows)
+        lm.run, lm.rows_module = _dynamic_batch(torch.compile(gm, dynamic=True), sites), rows
     return lm
+
+
+#: Sizes the probe runs the model at, at most, for a size the export excluded (``size != n``).
+_PROBE_LIMIT = 4096
+
+
+def compare_small_sizes(lm: CachedLM, model: nn.Module, excluded: list[tuple[int, int]]) -> None:
+    """Run the cached model and the model as written on random tokens where the capture has no proof, and raise
+    :class:`PositionError` where their logits differ.
+
+    ``torch.export`` traces with sizes of at least 2 and records no condition for a branch that such sizes
+    decide (``if B > 1:``, ``if T == 1:``, ``x.squeeze(0)``), so the graph may not be the model's at batch 1,
+    at length 1, or at a size it excluded (``size != n``: ``passes.kv_capture.shape_guards``). Those are the
+    sizes compared: a prompt of one token at batch 1 and its next two steps, a prompt of two tokens at batch
+    1, one token at batch 2, a ragged batch of prompts of one and two tokens (when the model serves ragged
+    batches), and each excluded size. A length excluded beyond ``_PROBE_LIMIT`` positions (and within
+    ``max_len``) is refused: pass a ``max_len`` below it. The caches are left empty.
+    """
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    cases: list[tuple[int, int, int]] = [(1, 1, 2), (1, 2, 0), (2, 1, 0)]  # (batch, prompt, steps)
+    for dim, n in excluded:
+        if dim == 1 and 2 < n <= lm.max_len:
+            if n > _PROBE_LIMIT:
+                raise PositionError(f"{type(model).__name__}.forward takes another path at a length of {n} "
+                                    f"(torch.export excluded it), which attnopt does not run at capture; pass "
+                                    f"max_len={n - 1} or less")
+            cases.append((1, n, 0))
+        elif dim == 0 and n > 2:
+            cases.append((n, 1, 0))
+    # the reference computation at every site: the probe compares paths, not kernels (and tunes nothing)
+    chosen = [(site, site.candidate) for site in lm.sites]
+    for site, _ in chosen:
+        site.candidate = "math"
+    with torch.no_grad():
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        vocab = min(logits_of(model(ids, **forward_kwargs(model, ids))).size(-1), 1000)
+
+        def written(x: torch.Tensor) -> torch.Tensor:
+            return logits_of(model(x, **forward_kwargs(model, x)))
+
+        def agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+            if got.shape != want.shape or not _close(got, want):
+                lm.reset()
+                gap = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else "n/a"
+                raise PositionError(
+                    f"the cached {type(model).__name__} differs from the model as written {what} (largest logit "
+                    f"difference {gap}): its forward takes another path at that size than at the sizes torch.export "
+                    "traced (a branch on the batch size or length, e.g. `if B > 1:`), so it is not cached")
+
+        try:
+            for b, t, steps in cases:
+                if t + steps > lm.max_len:
+                    continue
+                x = torch.randint(0, vocab, (b, t + steps), generator=gen).to(device)
+                agree(lm.prefill(x[:, :t]), written(x[:, :t]), f"on a prompt of {t} token(s) at batch {b}")
+                for i in range(t, t + steps):
+                    agree(lm.step(x[:, i:i + 1]), written(x[:, :i + 1])[:, -1:],
+                          f"at step {i - t + 1} after a prompt of {t} token(s) at batch {b}")
+            if lm.rows_module is not None and lm.max_len >= 3:
+                x = torch.randint(0, vocab, (2, 3), generator=gen).to(device)
+                mask = torch.ones(2, 2, dtype=torch.long, device=device)
+                mask[0, 0] = 0  # prompts of 1 and 2 tokens, left-padded
+                got = lm.prefill(x[:, :2], attention_mask=mask)
+                agree(got[0, 1:], written(x[:1, 1:2])[0], "on a ragged batch (a prompt of 1 token)")
+                agree(got[1], written(x[1:, :2])[0], "on a ragged batch (a prompt of 2 tokens)")
+                step = lm.step(x[:, 2:3])
+                agree(step[0], written(x[:1, 1:3])[0, -1:], "at a step of a ragged batch")
+                agree(step[1], written(x[1:, :3])[0, -1:], "at a step of a ragged batch")
+        finally:
+            lm.reset()
+            for site, name in chosen:
+                site.candidate = name
+                site._plans.clear()  # per-call plans made for "math"
+                site._recent.clear()
+                site._ran.clear()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal within a tolerance far above the kernels' rounding (fused attention, another summation order) and
+    far below a different path's change."""
+    low = got.dtype in (torch.float16, torch.bfloat16) or want.dtype in (torch.float16, torch.bfloat16)
+    tol = 5e-2 if low else 1e-3
+    scale = max(1.0, want.float().abs().max().item())
+    return bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * scale))
 
 
 def _dynamic_batch(compiled: Any, sites: list[KVCacheAttention]) -> Any:

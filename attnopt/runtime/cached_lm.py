@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         items = tuple(_plain(v) for v in value)
         return _MISSING if any(i is _MISSING for i in items) else (type(value), items)
+    if isinstance(value, dict):  # ``self.opts["mult"]``: compared by value on every call, like a list
+        pairs = tuple((_plain(k), _plain(v)) for k, v in value.items())
+        return _MISSING if any(_MISSING in p for p in pairs) else (type(value), pairs)
     return _MISSING
 
 
@@ -118,7 +122,49 @@ def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
 
 
 def _mutable(value: Any) -> bool:
-    return isinstance(value, list) or isinstance(value, tuple) and any(_mutable(v) for v in value)
+    return isinstance(value, (list, dict)) or isinstance(value, tuple) and any(_mutable(v) for v in value)
+
+
+def _holds_fields(value: Any) -> bool:
+    """An object whose fields a forward may read as constants: a config (a dataclass, or ``to_dict`` as Hugging
+    Face's), a ``SimpleNamespace``, or a plain instance of a class of the user's (not torch's, not callable)."""
+    if isinstance(value, (type, nn.Module, torch.Tensor)) or not hasattr(value, "__dict__"):
+        return False
+    if dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None)) \
+            or isinstance(value, types.SimpleNamespace):
+        return True
+    home = type(value).__module__ or ""
+    return not callable(value) and not home.startswith(("torch", "builtins", "logging", "typing", "weakref"))
+
+
+def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, Any]]:
+    """``(globals, name, value)`` for the plain module-level values ``fn`` reads by name (its nested code too:
+    lambdas, comprehensions), and those of the user's module-level functions it calls, ``depth`` calls down."""
+    out: list[tuple[dict[str, Any], str, Any]] = []
+    seen: set[int] = set()
+
+    def walk(f: Any, left: int) -> None:
+        code = getattr(f, "__code__", None)
+        g = getattr(f, "__globals__", None)
+        if code is None or g is None or id(code) in seen:
+            return
+        seen.add(id(code))
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            codes.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
+            for name in c.co_names:
+                if name not in g:
+                    continue
+                value = g[name]
+                if _plain(value) is not _MISSING:
+                    out.append((g, name, value))
+                elif left > 0 and isinstance(value, types.FunctionType) and not (
+                        value.__module__ or "").startswith("torch"):
+                    walk(value, left - 1)
+
+    walk(fn, depth)
+    return out
 
 
 class _Attrs:
@@ -164,14 +210,32 @@ class _Attrs:
             sizes.append((d, len(d)))
             module = isinstance(obj, nn.Module)
             if module:
+                for kind, table in (("parameters", obj._parameters), ("buffers", obj._buffers)):
+                    # ``register_buffer`` after the capture, or a None slot given a tensor: forward may read it
+                    names = tuple(n for n, t in table.items() if t is not None)
+                    snap[f"{path or '<root>'} ({kind})"] = ("tensors", names, names)
+                    sizes.append((table, len(table)))
+                    for name, value in table.items():
+                        if value is None:
+                            same.append((table, name, None))
+                forward = getattr(type(obj), "forward", None)
+                user = not (getattr(forward, "__module__", None) or "torch").startswith("torch")
+                for g, name, value in _global_reads(forward) if user else ():
+                    key = f"global `{name}` of {g.get('__name__', '?')}"
+                    if key not in snap:
+                        snap[key] = ("value", _plain(value), value)
+                        same.append((g, name, value))
                 for name, child in obj._modules.items():
                     key = f"{path}.{name}" if path else name
                     snap[key + " (module)"] = ("module", id(child), type(child).__name__)
                     same.append((obj._modules, name, child))
                 sizes.append((obj._modules, len(obj._modules)))
                 for hooks in _HOOKS:
-                    snap[f"{path or '<root>'} {hooks}"] = ("hooks", len(d[hooks]), len(d[hooks]))
-                    sizes.append((d[hooks], len(d[hooks])))
+                    held = d[hooks]
+                    snap[f"{path or '<root>'} {hooks}"] = ("hooks", tuple(map(id, held.values())), len(held))
+                    sizes.append((held, len(held)))
+                    for name, hook in held.items():  # one removed and another added: same count, not the same
+                        same.append((held, name, hook))
                 # ``forward`` set on the instance (a monkey patch) is what ``_call_impl`` runs
                 snap[f"{path or '<root>'} (forward)"] = ("forward", id(d.get("forward")), d.get("forward"))
                 same.append((d, "forward", d.get("forward")))
@@ -186,11 +250,9 @@ class _Attrs:
                         lists.append((d, name, frozen))
                     else:
                         same.append((d, name, value))
-                elif module and id(value) not in seen and not isinstance(value, type) and (
-                        dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None))) \
-                        and hasattr(value, "__dict__"):
+                elif module and id(value) not in seen and _holds_fields(value):
                     seen.add(id(value))
-                    owners.append((key, value))  # a config object: its fields, one level down
+                    owners.append((key, value))  # a config or plain object: its fields, one level down
         return snap, same, lists, sizes
 
     def check(self) -> None:
@@ -221,11 +283,16 @@ class _Attrs:
                 raise ModelChangedError(
                     f"`{where}.forward` of {name} was set on the instance after attnopt.generation.cached(model) (a "
                     f"patched forward); the cached graph runs the forward captured: {again}")
+            if kind == "tensors":
+                raise ModelChangedError(
+                    f"`{path}` of {name} changed after attnopt.generation.cached(model) ({list(old[2]) if old else []} "
+                    f"at capture, {list(new[2]) if new else []} now): forward may read a tensor the capture did "
+                    f"not see: {again}")
             if kind == "hooks":
                 raise ModelChangedError(
-                    f"`{path}` of {name}: forward hooks were added or removed after attnopt.generation.cached(model) "
-                    f"({old[1] if old else 0} at capture, {new[1] if new else 0} now); the cached graph does not "
-                    f"run them as the model as written now does: {again}")
+                    f"`{path}` of {name}: forward hooks were added, removed or replaced after "
+                    f"attnopt.generation.cached(model) ({old[2] if old else 0} at capture, {new[2] if new else 0} "
+                    f"now); the cached graph does not run them as the model as written now does: {again}")
             if path == "training" or path.endswith(".training"):
                 if old is not None and new is not None and new[2] is True:
                     raise ModelChangedError(
@@ -513,7 +580,7 @@ class CachedLM:
         self._check_room(int(ends.max()))
         self._check_rows(ends, tokens.device)
         new = self.lengths[:, None] + torch.arange(t, device=tokens.device)[None, :]
-        self.tokens.scatter_(1, new, tokens)
+        self.tokens.scatter_(1, new, tokens.to(self.tokens.dtype))  # int32 prompts, int64 picks
         if self.stale:  # recompute every row from position 0: its history, left-padded to the longest
             longest = int(ends.max())
             pad = longest - ends
