@@ -205,3 +205,21 @@ def test_openai_gpt_with_a_padding_mask(pad):
     assert "2 of 2 attention site(s) rewritten" in report, report
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
     assert_param_grads_close(model, got, ref)
+
+
+def test_rows_served_under_their_own_bound_when_the_call_wide_bound_fails():
+    """Scores large enough that the fill may weigh in rows with a plain mask, while a large added mask keeps the
+    fill negligible in the others: those rows go to the candidate with the added mask's values (float64, so
+    the comparison is exact enough at these magnitudes)."""
+    model = Mixed("openai").double()
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64) for _ in range(3))
+    q, k = q * 60, k * 60  # |scale| max|q| max|k| is about 2e4: the call-wide bound fails
+    mask = torch.zeros(B, 1, T, T, dtype=torch.float64)
+    kept = torch.ones(T, T, dtype=torch.bool).tril()
+    kept[:2] = False  # rows 2..: their kept keys get a large added value that dwarfs the fill
+    mask = mask.masked_fill(kept, 1e6) + kept * 3e4 * torch.randn(B, 1, T, T, dtype=torch.float64)
+    ref = model(q, k, v, mask)
+    opt = attnopt.optimize(model, variant="sdpa")
+    torch.testing.assert_close(opt(q, k, v, mask), ref, atol=1e-6, rtol=1e-6)
+    assert any("the candidate, and those rows as written" in w for w in fallbacks(opt)), fallbacks(opt)

@@ -333,6 +333,14 @@ class MixedFillSite(BoundedFillSite):
 
     fill_rows = True
 
+    def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, *,
+                      grad: bool | None = None, tracing: bool | None = None) -> torch.Tensor:
+        if kwargs.get("attn_mask") is None:  # a proven causal pattern: the call-wide bound of BoundedFillSite
+            return super().run_candidate(q, k, v, kwargs, grad=grad, tracing=tracing)
+        # rows :meth:`_fill_rows` hands the candidate hold the bound (with the added mask's values); the
+        # call-wide check would read the added mask's minimum as fills and drop its other values
+        return AttentionSite.run_candidate(self, q, k, v, kwargs, grad=grad, tracing=tracing)
+
     def _fill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, filled: torch.Tensor,
                    grad: bool, tracing: bool, dropout_active: bool) -> torch.Tensor:
         mask, filled = (t.reshape((1,) * max(0, 4 - t.dim()) + tuple(t.shape)) for t in (kwargs["attn_mask"], filled))
