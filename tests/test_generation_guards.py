@@ -120,11 +120,15 @@ def test_a_stop_callable_that_returns_none_says_so():
 
 
 GAIN = 1.0
+TABLE = {"mult": 1.0}
 
 
 class Opts:  # a plain class of the user's
     def __init__(self):
         self.mult = 1.0
+
+
+SETTINGS = Opts()
 
 
 class Stateful(LM):
@@ -144,14 +148,15 @@ class Stateful(LM):
     def forward(self, idx):
         how = self.how2
         mult = (self.opts["mult"] if how == "dict" else self.ns.mult if how == "ns" else self.obj.mult
-                if how == "obj" else GAIN if how == "global" else 1.0)
+                if how == "obj" else GAIN if how == "global" else TABLE["mult"] if how == "global_dict"
+                else SETTINGS.mult if how == "global_ns" else 1.0)
         out = super().forward(idx) * mult
         if self.extra is not None:
             out = out + self.extra
         return out
 
 
-@pytest.mark.parametrize("how", ["dict", "ns", "obj", "global", "buffer", "hook"])
+@pytest.mark.parametrize("how", ["dict", "ns", "obj", "global", "global_dict", "global_ns", "buffer", "hook"])
 def test_python_state_changed_after_capture_is_seen(how, monkeypatch):
     from attnopt.generation import ModelChangedError
 
@@ -168,6 +173,10 @@ def test_python_state_changed_after_capture_is_seen(how, monkeypatch):
         model.obj.mult = 4.0
     elif how == "global":
         monkeypatch.setitem(globals(), "GAIN", 4.0)
+    elif how == "global_dict":
+        monkeypatch.setitem(TABLE, "mult", 4.0)  # the same dict, written in place
+    elif how == "global_ns":
+        monkeypatch.setattr(SETTINGS, "mult", 4.0)
     elif how == "buffer":
         model.extra = torch.ones(V)
     else:

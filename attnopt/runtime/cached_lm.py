@@ -9,6 +9,7 @@ proofs read and the plain attributes the capture made constants, and raises
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import operator
@@ -125,6 +126,11 @@ def _mutable(value: Any) -> bool:
     return isinstance(value, (list, dict)) or isinstance(value, tuple) and any(_mutable(v) for v in value)
 
 
+def _shown(value: Any) -> Any:
+    """``value`` as an error message shows it later: a copy of a list or dict (the live one may change)."""
+    return copy.deepcopy(value) if _mutable(value) else value
+
+
 def _holds_fields(value: Any) -> bool:
     """An object whose fields a forward may read as constants: a config (a dataclass, or ``to_dict`` as Hugging
     Face's), a ``SimpleNamespace``, or a plain instance of a class of the user's (not torch's, not callable)."""
@@ -138,8 +144,9 @@ def _holds_fields(value: Any) -> bool:
 
 
 def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, Any]]:
-    """``(globals, name, value)`` for the plain module-level values ``fn`` reads by name (its nested code too:
-    lambdas, comprehensions), and those of the user's module-level functions it calls, ``depth`` calls down."""
+    """``(globals, name, value)`` for the plain module-level values (and objects with fields, see
+    :func:`_holds_fields`) ``fn`` reads by name (its nested code too: lambdas, comprehensions), and those of the
+    user's module-level functions it calls, ``depth`` calls down."""
     out: list[tuple[dict[str, Any], str, Any]] = []
     seen: set[int] = set()
 
@@ -157,7 +164,7 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, An
                 if name not in g:
                     continue
                 value = g[name]
-                if _plain(value) is not _MISSING:
+                if _plain(value) is not _MISSING or _holds_fields(value):
                     out.append((g, name, value))
                 elif left > 0 and isinstance(value, types.FunctionType) and not (
                         value.__module__ or "").startswith("torch"):
@@ -222,9 +229,16 @@ class _Attrs:
                 user = not (getattr(forward, "__module__", None) or "torch").startswith("torch")
                 for g, name, value in _global_reads(forward) if user else ():
                     key = f"global `{name}` of {g.get('__name__', '?')}"
+                    frozen = _plain(value)
+                    if frozen is _MISSING:  # an object with fields (a namespace): its fields, one level down
+                        if id(value) not in seen:
+                            seen.add(id(value))
+                            owners.append((key, value))
+                        key += " (object)"
+                        frozen = id(value)
                     if key not in snap:
-                        snap[key] = ("value", _plain(value), value)
-                        same.append((g, name, value))
+                        snap[key] = ("value", frozen, _shown(value))
+                        (lists if _mutable(value) else same).append((g, name, frozen if _mutable(value) else value))
                 for name, child in obj._modules.items():
                     key = f"{path}.{name}" if path else name
                     snap[key + " (module)"] = ("module", id(child), type(child).__name__)
@@ -245,7 +259,7 @@ class _Attrs:
                 key = f"{path}.{name}" if path else name
                 frozen = _plain(value)
                 if frozen is not _MISSING:
-                    snap[key] = ("value", frozen, value)
+                    snap[key] = ("value", frozen, _shown(value))
                     if _mutable(value):
                         lists.append((d, name, frozen))
                     else:
