@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 def capture(model: nn.Module, *inputs) -> tuple[fx.GraphModule, list]:
@@ -47,3 +48,28 @@ def assert_param_grads_close(model: nn.Module, out: torch.Tensor, ref: torch.Ten
         assert (a is None) == (b is None)
         if b is not None:
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def count_sdpa(monkeypatch) -> list[int]:
+    """``[n]``: how many times ``F.scaled_dot_product_attention`` runs from now on (in this test)."""
+    calls = [0]
+    orig = F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    return calls
+
+
+def fallbacks(opt: nn.Module) -> dict[str, int]:
+    """What ``explain()`` counts for the sites of ``opt`` (in every graph dynamo captured of it): the calls that
+    ran as written, wholly or in part, per reason."""
+    import attnopt
+
+    counts: dict[str, int] = {}
+    for r in attnopt.explain(opt):
+        for why, n in r.extra.get("fallbacks", {}).items():
+            counts[why] = counts.get(why, 0) + n
+    return counts

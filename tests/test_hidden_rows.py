@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from support import fallbacks as support_fallbacks
 
 import attnopt
 from attnopt.runtime.site import AttentionSite
@@ -100,15 +101,10 @@ def scattered(rows: dict[int, list[int]], shape: tuple[int, ...] = (B, 1, T, T))
 
 
 def fallbacks(opt: nn.Module) -> dict[str, int]:
-    """What ``explain()`` counts for the site of ``opt`` (in every graph dynamo captured of it): the calls that
-    ran as written, wholly or in part."""
+    """``support.fallbacks`` for a model whose every site was rewritten."""
     report = attnopt.explain(opt)
     assert report.rewritten == len(report.records) >= 1, str(report)
-    counts: dict[str, int] = {}
-    for r in report.records:
-        for why, n in r.extra.get("fallbacks", {}).items():
-            counts[why] = counts.get(why, 0) + n
-    return counts
+    return support_fallbacks(opt)
 
 
 def qkv(dtype: torch.dtype = torch.float32, heads_kv: int = H) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from support import assert_param_grads_close
+from support import assert_param_grads_close, count_sdpa, fallbacks
 
 import attnopt
 
@@ -64,26 +64,6 @@ def _inputs(grad: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.Tenso
     return tuple(torch.randn(B, H, T, D, dtype=dtype, requires_grad=grad) for _ in range(3))
 
 
-def fallbacks(opt: nn.Module) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in attnopt.explain(opt):
-        for why, n in r.extra.get("fallbacks", {}).items():
-            out[why] = out.get(why, 0) + n
-    return out
-
-
-def _count_sdpa(monkeypatch) -> list[int]:
-    calls = [0]
-    orig = F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return orig(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    return calls
-
-
 @pytest.mark.parametrize("how", SPELLINGS)
 @pytest.mark.parametrize("pad", ["none", "left", "right"])
 @pytest.mark.parametrize("grad", [False, True])
@@ -94,7 +74,7 @@ def test_finite_fill_with_padding_is_rewritten_and_exact(how, pad, grad, monkeyp
     ref = model(q, k, v, mask)
     opt = attnopt.optimize(model, variant="sdpa")
     opt(q, k, v, mask)  # the first call of a shape also checks the candidate against the reference
-    calls = _count_sdpa(monkeypatch)
+    calls = count_sdpa(monkeypatch)
     got = opt(q, k, v, mask)
     report = str(attnopt.explain(opt))
     assert "1 of 1 attention site(s) rewritten" in report, report
@@ -223,3 +203,18 @@ def test_rows_served_under_their_own_bound_when_the_call_wide_bound_fails():
     opt = attnopt.optimize(model, variant="sdpa")
     torch.testing.assert_close(opt(q, k, v, mask), ref, atol=1e-6, rtol=1e-6)
     assert any("the candidate, and those rows as written" in w for w in fallbacks(opt)), fallbacks(opt)
+
+
+def test_later_calls_with_other_shapes_and_a_mask_written_in_place():
+    """Nothing about the rows is kept from one call to the next: another length, another batch, the same mask
+    tensor written in place (a fresh padding at the same address), each call exact."""
+    model = Mixed("openai")
+    opt = attnopt.optimize(model, variant="sdpa")
+    torch.manual_seed(5)
+    mask = _padding("left")
+    for step in range(4):
+        b, t = (B, T) if step % 2 == 0 else (1, T - 2)
+        q, k, v = (torch.randn(b, H, t, D) for _ in range(3))
+        m = mask[:b, :, :, :t]
+        torch.testing.assert_close(opt(q, k, v, m), model(q, k, v, m), atol=2e-5, rtol=1e-4)
+        mask.zero_() if step == 1 else mask[:, :, :, : step + 1].fill_(MIN)  # in place: other rows padded

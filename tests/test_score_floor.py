@@ -15,11 +15,10 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assert_param_grads_close
+from support import assert_param_grads_close, count_sdpa
 
 import attnopt
 from attnopt.runtime.site import floored_mask
@@ -72,18 +71,6 @@ def _specs(opt: nn.Module) -> list:
     return [r.spec for r in attnopt.explain(opt) if r.rewritten]
 
 
-def _count_sdpa(monkeypatch) -> list[int]:
-    calls = [0]
-    orig = F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return orig(*args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    return calls
-
-
 @pytest.mark.parametrize("how", SPELLINGS)
 @pytest.mark.parametrize("grad", [False, True])
 def test_floor_is_rewritten_and_exact(how, grad, monkeypatch):
@@ -93,7 +80,7 @@ def test_floor_is_rewritten_and_exact(how, grad, monkeypatch):
     ref = model(q, k, v, mask)
     assert not ref.isnan().any()  # the floor makes every row uniform or a weighted mean
     opt = attnopt.optimize(model, variant="sdpa")
-    calls = _count_sdpa(monkeypatch)
+    calls = count_sdpa(monkeypatch)
     got = opt(q, k, v, mask)
     report = str(attnopt.explain(opt))
     assert "1 of 1 attention site(s) rewritten" in report, report

@@ -165,7 +165,7 @@ def shape_guards(model: nn.Module, ep: Any, tokens: str) -> list[tuple[int, int]
     for g in guards or ():
         text = _unwrap(str(g).strip())
         m = _BOUND.match(text)
-        if m and m.group(1) == tokens and m.group(2) in ("0", "1"):
+        if m and m.group(1) in (tokens, "attention_mask") and m.group(2) in ("0", "1"):  # the mask: the tokens' shape
             dim, op, n = int(m.group(2)), m.group(3), int(m.group(4))
             if op == "!=":
                 excluded.append((dim, n))

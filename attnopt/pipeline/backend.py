@@ -142,7 +142,7 @@ def random_in_checkpoint(gm: fx.GraphModule) -> str | None:
     return None
 
 
-class _OnceDifferentiable(torch.autograd.Function):
+class _FirstOrderOnly(torch.autograd.Function):
     """The identity, whose backward refuses to be recorded (``create_graph=True`` through it raises)."""
 
     @staticmethod
@@ -171,7 +171,7 @@ def _custom_function_apply(*args: Any, **kwargs: Any) -> Any:
     if not marked:
         return out
     guarded = list(outs)
-    for i, o in zip(marked, _OnceDifferentiable.apply(*(outs[i] for i in marked))):
+    for i, o in zip(marked, _FirstOrderOnly.apply(*(outs[i] for i in marked))):
         guarded[i] = o
     return guarded[0] if single else type(out)(guarded) if isinstance(out, tuple) else guarded
 
@@ -183,14 +183,14 @@ def guard_custom_functions(gm: fx.GraphModule) -> int:
     body starts with ``_set_grad_enabled(False)``): a double backward (``autograd.grad(..., create_graph=True)``
     then another ``grad``) silently loses the second-order terms through the custom backward
     (``torch.compile(backend="eager")`` shows the same). With the outputs passed through
-    :class:`_OnceDifferentiable`, first-order gradients are unchanged (the attention is still rewritten, its
+    :class:`_FirstOrderOnly`, first-order gradients are unchanged (the attention is still rewritten, its
     per-call dispatch kept) and a ``create_graph=True`` backward that reaches the Function raises instead.
     Returns how many calls were marked.
     """
     marked = 0
+    apply = getattr(torch.ops.higher_order, "autograd_function_apply", None)
     for node in gm.graph.nodes:
-        name = str(getattr(node.target, "__name__", node.target))
-        if node.op == "call_function" and "autograd_function_apply" in name:
+        if node.op == "call_function" and apply is not None and node.target is apply:
             node.target = _custom_function_apply
             marked += 1
     if marked:

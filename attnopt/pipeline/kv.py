@@ -10,6 +10,7 @@ for why the result computes the same function.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -149,11 +150,9 @@ def compare_small_sizes(lm: CachedLM, model: nn.Module, excluded: list[tuple[int
             cases.append((1, n, 0))
         elif dim == 0 and n > 2:
             cases.append((n, 1, 0))
-    # the reference computation at every site: the probe compares paths, not kernels (and tunes nothing)
-    chosen = [(site, site.candidate) for site in lm.sites]
-    for site, _ in chosen:
-        site.candidate = "math"
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for site in lm.sites:  # the reference computation: the probe compares paths, not kernels (tunes nothing)
+            stack.enter_context(site.running("math"))
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         vocab = min(logits_of(model(ids, **forward_kwargs(model, ids))).size(-1), 1000)
 
@@ -190,11 +189,6 @@ def compare_small_sizes(lm: CachedLM, model: nn.Module, excluded: list[tuple[int
                 agree(step[1], written(x[1:, :3])[0, -1:], "at a step of a ragged batch")
         finally:
             lm.reset()
-            for site, name in chosen:
-                site.candidate = name
-                site._plans.clear()  # per-call plans made for "math"
-                site._recent.clear()
-                site._ran.clear()
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

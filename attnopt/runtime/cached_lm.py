@@ -205,6 +205,7 @@ class _Attrs:
         lists: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, frozen): mutable, compared by value
         sizes: list[tuple[Any, int]] = []  # (dict, len): an entry added or removed
         owners, seen = [], set()
+        reads: dict[int, list[tuple[dict[str, Any], str, Any]]] = {}  # per forward function: every layer shares it
         for path, mod in self.model.named_modules():
             owners.append((path, mod))
             seen.add(id(mod))
@@ -227,7 +228,9 @@ class _Attrs:
                             same.append((table, name, None))
                 forward = getattr(type(obj), "forward", None)
                 user = not (getattr(forward, "__module__", None) or "torch").startswith("torch")
-                for g, name, value in _global_reads(forward) if user else ():
+                if user and id(forward) not in reads:
+                    reads[id(forward)] = _global_reads(forward)
+                for g, name, value in reads.get(id(forward), ()):
                     key = f"global `{name}` of {g.get('__name__', '?')}"
                     frozen = _plain(value)
                     if frozen is _MISSING:  # an object with fields (a namespace): its fields, one level down

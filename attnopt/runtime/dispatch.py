@@ -159,6 +159,21 @@ class DispatchingSite(nn.Module):
         if self.record is not None:
             self.record.extra.pop("tuning", None)
 
+    @contextlib.contextmanager
+    def running(self, candidate: str) -> Iterator[None]:
+        """Every call runs ``candidate`` inside the block (no tuning, no choice kept); the site's own candidate
+        and per-call plans are restored after it."""
+        get_candidate(candidate)
+        own = self.candidate
+        self.candidate = candidate
+        try:
+            yield
+        finally:
+            self.candidate = own
+            self._plans.clear()  # plans made for ``candidate``
+            self._recent.clear()
+            self._ran.clear()
+
     def run_candidate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, *,
                       grad: bool | None = None, tracing: bool | None = None) -> torch.Tensor:
         """The call's output from its candidate, chosen, checked and with fallbacks (steps 1-6 above).

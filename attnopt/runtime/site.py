@@ -199,7 +199,8 @@ class AttentionSite(DispatchingSite):
 
     def _hidden_rows_as_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
                                 filled: torch.Tensor | None, grad: bool, tracing: bool, hidden: torch.Tensor,
-                                rows: int) -> torch.Tensor:
+                                rows: int, served: torch.Tensor | None = None,
+                                why: str = "rows with every key hidden, with gradients") -> torch.Tensor:
         """The call with gradients where some query rows below ``rows`` have every key hidden by a large
         fill (``hidden``, ``(..., Tq, 1)``; a left-padded batch): the candidate for every row, those rows as
         written.
@@ -210,13 +211,14 @@ class AttentionSite(DispatchingSite):
         written rows where every key is hidden. Gradients are exact: the rows ``torch.where`` does not
         take receive a zero output gradient, and a zero output gradient contributes exactly zero to q, k,
         v and the mask in a backward that is finite on ordinary rows (the per-key check has run the
-        candidate's backward on such rows) and in the written one.
+        candidate's backward on such rows) and in the written one. ``served``: the mask the candidate gets
+        instead (:class:`MixedFillSite`: its fills dropped, those rows 0); ``why``: the fallback's reason.
         """
         mask = kwargs["attn_mask"]
-        self.count_fallback("rows with every key hidden, with gradients: the candidate, and those rows as written")
+        self.count_fallback(f"{why}: the candidate, and those rows as written")
         tq = q.size(-2)
-        out = self.run_candidate(q, k, v, dict(kwargs, attn_mask=mask.masked_fill(hidden, 0.0)), grad=grad,
-                                 tracing=tracing)
+        served = mask.masked_fill(hidden, 0.0) if served is None else served
+        out = self.run_candidate(q, k, v, dict(kwargs, attn_mask=served), grad=grad, tracing=tracing)
 
         def head(t: torch.Tensor) -> torch.Tensor:  # the first ``rows`` queries of a mask-shaped tensor
             return t[..., :rows, :] if t.dim() >= 2 and t.size(-2) == tq else t
@@ -339,7 +341,7 @@ class MixedFillSite(BoundedFillSite):
             return super().run_candidate(q, k, v, kwargs, grad=grad, tracing=tracing)
         # rows :meth:`_fill_rows` hands the candidate hold the bound (with the added mask's values); the
         # call-wide check would read the added mask's minimum as fills and drop its other values
-        return AttentionSite.run_candidate(self, q, k, v, kwargs, grad=grad, tracing=tracing)
+        return DispatchingSite.run_candidate(self, q, k, v, kwargs, grad=grad, tracing=tracing)
 
     def _fill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, filled: torch.Tensor,
                    grad: bool, tracing: bool, dropout_active: bool) -> torch.Tensor:
@@ -359,18 +361,9 @@ class MixedFillSite(BoundedFillSite):
                                 + (", with dropout" if dropout_active else ", past half the queries")
                                 + ": the call as written")
             return self._as_written(q, k, v, kwargs, filled)
-        self.count_fallback(f"rows whose keys filled with {fill:g} may carry weight: the candidate, and those rows "
-                            "as written")
-        tq = q.size(-2)
         served = mask.masked_fill(filled, minimum).masked_fill(weighty, 0.0)
-        out = self.run_candidate(q, k, v, dict(kwargs, attn_mask=served), grad=grad, tracing=tracing)
-
-        def head(t: torch.Tensor) -> torch.Tensor:  # the first ``rows`` queries of a mask-shaped tensor
-            return t[..., :rows, :] if t.dim() >= 2 and t.size(-2) == tq else t
-
-        written = self._as_written(q[..., :rows, :], k, v, dict(kwargs, attn_mask=head(mask)), head(filled))
-        first = torch.where(head(weighty), written, out[..., :rows, :])
-        return torch.cat([first, out[..., rows:, :]], dim=-2)
+        return self._hidden_rows_as_written(q, k, v, kwargs, filled, grad, tracing, weighty, rows, served,
+                                            f"rows whose keys filled with {fill:g} may carry weight")
 
     def weighty_rows(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, filled: torch.Tensor,
                      scale: float, grad: bool = False) -> torch.Tensor:
@@ -379,9 +372,7 @@ class MixedFillSite(BoundedFillSite):
         keys are all hidden by a large value (``-SATURATED``), whose fused backward is not exact (see the
         module docstring)."""
         with torch.no_grad():
-            qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax()
-            kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax()
-            bound = abs(scale) * qn * kn * 1.01 + 1.0  # 1% and 1.0 of slack for the scores' rounding
+            bound = score_bound(q, k, scale)
             m = mask.detach().float()
             at_fill = m.masked_fill(~filled, -math.inf).amax(-1, keepdim=True)
             elsewhere = m.masked_fill(filled, -math.inf).amax(-1, keepdim=True)
@@ -398,13 +389,18 @@ def floored_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.clamp_min(torch.finfo(mask.dtype).min)
 
 
+def score_bound(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """A 0-d bound on every ``|scale * q_i . k_j|`` (Cauchy-Schwarz on the largest norms), with 1% and 1.0 of slack
+    for the scores' rounding."""
+    with torch.no_grad():
+        qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax()
+        kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax()
+    return abs(scale) * qn * kn * 1.01 + 1.0
+
+
 def fill_is_negligible(q: torch.Tensor, k: torch.Tensor, scale: float, fill: float) -> bool:
     """True when masked keys filled with ``fill`` carry less than ``2**-60`` of any row's weight."""
-    with torch.no_grad():
-        qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax().item()
-        kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax().item()
-    bound = abs(scale) * qn * kn * 1.01 + 1.0  # 1% and 1.0 of slack for the scores' rounding
-    return fill + bound + math.log(max(k.size(-2), 1)) <= -42.0
+    return fill + score_bound(q, k, scale).item() + math.log(max(k.size(-2), 1)) <= -42.0
 
 
 def _filled_as_written(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fill: float, *,
