@@ -34,12 +34,18 @@ Tuning one key (:meth:`Selector.tune`):
    is pruned or tied, or when the timed calls after the first eight rounds (which always run:
    slow candidates are pruned there) have used ``budget_s`` (2 s), or after ``max_rounds``
    (200); then the best median is chosen but marked *provisional*: it serves this
-   process and is timed again by the next process or the next :func:`attnopt.tune`. Each entry
+   process and is timed again by the next process or the next :func:`attnopt.tune`. A choice is never one
+   that the rounds show clearly slower than another candidate that may serve. Because the race looks after
+   every round, a verdict "faster than the runner-up" it ends on is checked once more on fresh rounds of the
+   two alone (until half the budget is spent, at least 8): one look at ``confidence``, so two equal
+   candidates stay "separated" about 1% of the time rather than the race's several percent; a verdict the
+   fresh rounds do not confirm is provisional. Each entry
    keeps its noise: per-candidate median, interquartile range and rounds, each rival's ratio to
    the choice with its interval, and the load average.
 5. *Memory*: the peak tensor memory of one call (:func:`attnopt.selection.measure.peak_memory`) of every
    candidate still in the race after pruning (of all of them when a ``memory_budget`` rules out
-   every one of those); candidates above the budget are rejected; if none fits, the one with
+   any one of those: the candidates pruned against it are in again); candidates above the budget are
+   rejected; if none fits, the one with
    the lowest peak is kept and a warning says so.
 6. *Keep* the fastest (provisional unless separated from every rival); store every timing in the
    :class:`~attnopt.selection.cache.TuningCache` (on disk, keyed by attnopt/torch version, device,
@@ -398,8 +404,9 @@ class Selector:
                               "budget is not applied to this choice", stacklevel=2)
         else:
             measure(live)
-            if self.memory_budget is not None and not any(peaks.get(n, math.inf) <= self.memory_budget
+            if self.memory_budget is not None and not all(peaks.get(n, math.inf) <= self.memory_budget
                                                           for n in live):
+                # a candidate over the budget may be the one others were pruned against: those are in again
                 measure([n for n in samples if n not in live])
         ok = [n for n in samples if math.isfinite(timings[n]) and (n in peaks or not measured)]
         budget = self.memory_budget if measured else None
@@ -420,9 +427,17 @@ class Selector:
             rejected.setdefault("math", "no candidate passed; the reference computation runs")
             provisional, decision = False, "no candidate passed its check; the reference computation runs"
         else:
-            choice = min(ok, key=lambda n: timings[n])
+            # never one that is clearly slower than another that may serve (a candidate pruned early keeps a
+            # low median from quiet first rounds; one pruned against a leader that the budget then rejected)
+            def beaten(n: str) -> bool:
+                return any(o != n and stats.compare(samples[n], samples[o], confidence=self.confidence,
+                                                    tie=self.tie).verdict == "slower" for o in ok)
+
+            choice = min([n for n in ok if not beaten(n)] or ok, key=lambda n: timings[n])
             rivals = [n for n in samples if math.isfinite(timings[n]) and n not in rejected]  # pruned ones too
             provisional, decision = self._verdict(choice, rivals, samples, pruned, budget is not None)
+            if not provisional and decision.startswith(("faster", "fastest within")) and " runner-up " in decision:
+                provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         ratios = {}
         for name in samples:
             if name != choice and choice in samples:
@@ -483,9 +498,40 @@ class Selector:
                 break
         return samples, pruned
 
+    def _confirm(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], runs: _Runs, timer: Timer,
+                 decision: str) -> tuple[bool, str]:
+        """A final verdict checked once more on fresh rounds of the choice and its runner-up alone.
+
+        The race looks at its comparisons after every round, so a verdict it ends on has had many chances to
+        come out by luck (two equal candidates end "separated" in several percent of races). One comparison on
+        rounds the race did not see is a single look: at ``confidence`` it is wrong that often at most. A
+        verdict the fresh rounds do not confirm is provisional."""
+        runner = min((n for n in rivals if n != choice), key=lambda n: stats.quartiles(samples[n])[1])
+        fresh: dict[str, list[float]] = {choice: [], runner: []}
+        need = stats.min_pairs(self.confidence)
+        # rounds until half the budget of timed calls is spent (at least 8, at most max_rounds): a count fixed by
+        # the time spent, never by the outcome, keeps it a single look
+        rounds, spent = max(need, self.max_rounds), 0.0
+        try:
+            for round_ in range(rounds):
+                if round_ >= need and spent >= self.budget_s / 2:
+                    break
+                for name in (choice, runner) if round_ % 2 == 0 else (runner, choice):
+                    fresh[name].append(float(timer(name, runs.runner(name))))
+                    spent += fresh[name][-1]
+        except Exception as e:  # noqa: BLE001 - a candidate that raises now: not confirmed
+            return True, f"provisional: {decision}; the confirming rounds raised ({_raised(e)})"
+        c = stats.compare(fresh[runner], fresh[choice], confidence=self.confidence, tie=self.tie)
+        if c.verdict == "slower":
+            return False, f"{decision}; confirmed on {c.n} fresh rounds ({runner}/{choice} {c.describe()})"
+        return True, (f"provisional: {decision}, but {c.n} fresh rounds of the two alone did not confirm it "
+                      f"({runner}/{choice} {c.describe()}); timed again by the next process or attnopt.tune")
+
     def _verdict(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], pruned: Mapping[str, str],
                  budgeted: bool) -> tuple[bool, str]:
-        """Whether ``choice`` is provisional, and the sentence that says why it won."""
+        """Whether ``choice`` is provisional, and the sentence that says why it won. A rival counts as beaten when
+        the rounds show it slower than ``choice`` or tied with it; one pruned against another leader (that the
+        budget then rejected) and not shown slower than ``choice`` leaves the choice provisional."""
         level = f"{self.confidence:.0%}"
         prefix = "fastest within the memory budget: " if budgeted else ""
         rivals = sorted((n for n in rivals if n != choice), key=lambda n: stats.quartiles(samples[n])[1])
@@ -493,7 +539,7 @@ class Selector:
             return False, prefix + ("the only candidate left" if budgeted else "the only candidate that passed")
         for name in rivals:
             c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
-            if c.verdict not in ("slower", "tie") and name not in pruned:
+            if c.verdict not in ("slower", "tie"):
                 return True, (f"{prefix}provisional: not separated from {name} ({name}/{choice} {c.describe()} at "
                               f"{level} over {c.n} rounds, within a budget of {self.budget_s:g} s of timed calls); "
                               "timed again by the next process or attnopt.tune")
