@@ -87,6 +87,41 @@ def test_mistral_sliding_window_is_read_off_its_mask():
     assert all(torch.equal(g, r) for g, r in zip(generate(c, prompts, 12), _alone(model, prompts, 12)))
 
 
+def _family(name: str):
+    """Families whose spellings the position proof learnt from (``tests/test_generation_spellings.py`` has each
+    small): OPT counts positions from ones, GPT-J interleaves rotary tables with ``repeat_interleave``, Falcon
+    picks its key and value heads by a fixed index, GPT-Neo fills with ``torch.tensor(finfo.min)`` and has a
+    local layer, XGLM folds heads into the batch, floors its scores and checks ``2 + T <= n``."""
+    t = transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, attn_implementation="eager")
+    if name == "opt":
+        return t.OPTForCausalLM(t.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64,
+                                            max_position_embeddings=32, word_embed_proj_dim=32, **common))
+    if name == "gptj":
+        return t.GPTJForCausalLM(t.GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=32, **common))
+    if name == "falcon":
+        return t.FalconForCausalLM(t.FalconConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                  max_position_embeddings=32, **common))
+    if name == "gpt_neo":
+        return t.GPTNeoForCausalLM(t.GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4, window_size=4,
+                                                  attention_types=[[["global", "local"], 1]],
+                                                  max_position_embeddings=32, **common))
+    return t.XGLMForCausalLM(t.XGLMConfig(num_layers=2, d_model=32, attention_heads=4, ffn_dim=64,
+                                          max_position_embeddings=32, **common))
+
+
+@pytest.mark.parametrize("name", ["opt", "gptj", "falcon", "gpt_neo", "xglm"])
+def test_more_families_equal_the_plain_loop_batched_and_ragged(name):
+    model = _family(name).eval()
+    c = cached(model)
+    assert c.max_len == 32
+    idx = torch.randint(1, VOCAB, (2, 5))
+    assert torch.equal(generate(c, idx, 10), generate_plain(model, idx, 10))
+    prompts = [torch.randint(1, VOCAB, (n,)) for n in (7, 1, 3)]  # past GPT-Neo's local window of 4
+    assert all(torch.equal(g, r) for g, r in zip(generate(c, prompts, 8), _alone(model, prompts, 8)))
+
+
 class Folded(nn.Module):
     """Embeddings viewed ``(B*T, C)``, one op there, viewed back: the op decides whether positions stay apart."""
 

@@ -580,6 +580,7 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.sigmoid: _unary("sigmoid"), F.sigmoid: _unary("sigmoid"), aten.sigmoid.default: _unary("sigmoid"),
     torch.clamp: _clamp, torch.clip: _clamp, aten.clamp.default: _clamp,
     torch.max: _floor_at("maximum"), torch.maximum: _floor_at("maximum"), aten.maximum.default: _floor_at("maximum"),
+    aten.max.other: _floor_at("maximum"),
     torch.clamp_min: _floor_at("clamp"), aten.clamp_min.default: _floor_at("clamp"),
     torch.repeat_interleave: _repeat_interleave, aten.repeat_interleave.self_int: _repeat_interleave,
 }

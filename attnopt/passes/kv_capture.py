@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable
 from typing import Any
 
 import sympy
@@ -101,7 +102,7 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
         raise PositionError(f"{type(model).__name__}.forward writes its buffers or parameters ({', '.join(written)}); "
                             "a model that keeps state between calls cannot be cached by attnopt")
     graph._codegen = fx.graph.CodeGen()  # plain forward(tokens, ...) -> logits, no pytree wrapping
-    excluded = shape_guards(model, ep, params[0] if params else "idx")
+    excluded, bounds = shape_guards(model, ep, params[0] if params else "idx")
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
             graph.erase_node(node)  # the input checks: read above (shape_guards); the cache checks max_len itself
@@ -128,6 +129,7 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
     gm = fx.GraphModule(module, graph, class_name=f"Cached{type(model).__name__}")
     _tidy(gm)
     gm.meta["excluded_sizes"] = excluded
+    gm.meta["length_bounds"] = bounds
     return gm, placeholders[0], ep
 
 
@@ -148,12 +150,62 @@ def _unwrap(text: str) -> str:
     return text
 
 
-def shape_guards(model: nn.Module, ep: Any, tokens: str) -> list[tuple[int, int]]:
+#: Conditions on the length alone are evaluated at every length from 1 to this; a model served longer
+#: sequences than that on such a condition is not (``max_len`` is bounded by it).
+LENGTHS_CHECKED = 1 << 16
+#: At most this many single lengths a condition excludes are compared by the probe (``pipeline.kv``).
+_MAX_EXCLUDED = 8
+_SIZE_ANY = re.compile(_SIZE)
+_ARITHMETIC = {"max": max, "min": min, "abs": abs}
+
+
+def _length_condition(text: str, tokens: str) -> Callable[[int], bool] | None:
+    """``text`` as a function of the length ``T`` when it reads no other size and only arithmetic, else None."""
+    refs = _SIZE_ANY.findall(text)
+    if not refs or any(name not in (tokens, "attention_mask") or dim != "1" for name, dim in refs):
+        return None
+    try:
+        code = compile(_SIZE_ANY.sub("T", text), "<torch.export condition>", "eval")
+    except SyntaxError:
+        return None
+    if set(code.co_names) - {"T", *_ARITHMETIC}:
+        return None
+    return lambda T: bool(eval(code, {"__builtins__": {}}, {**_ARITHMETIC, "T": T}))  # noqa: S307 - export's code
+
+
+def _length_bound(model: nn.Module, text: str, holds: Callable[[int], bool]) -> tuple[list[int], tuple[str, int]]:
+    """The lengths a condition on the length excludes, read by evaluating it at every length up to
+    :data:`LENGTHS_CHECKED`: the single lengths below the first of a run of excluded lengths that reaches the
+    end (compared by the probe), and the bound that run sets (``(source, longest length)``)."""
+    fails = [t for t in range(1, LENGTHS_CHECKED + 1) if not holds(t)]
+    start = LENGTHS_CHECKED + 1  # the first length of the excluded run up to the end
+    while fails and fails[-1] == start - 1:
+        start = fails.pop()
+    if start - 1 < 2 or len(fails) > _MAX_EXCLUDED:
+        shown = ", ".join(map(str, fails[:_MAX_EXCLUDED])) + (", ..." if len(fails) > _MAX_EXCLUDED else "")
+        raise PositionError(
+            f"{type(model).__name__}.forward takes another path at {len(fails)} lengths ({shown}): torch.export "
+            f"recorded the condition `{text}` for the traced graph, and a cached model serves every length "
+            "with the traced path; remove the branch on the length from forward")
+    if start <= LENGTHS_CHECKED:
+        source = (f"forward's code holds only up to {start - 1} tokens: a length check or a branch on the length "
+                  f"such as `if T > n:` (torch.export recorded the condition `{text}`, false from {start} tokens)")
+    else:
+        source = f"torch.export recorded the condition `{text}`, checked at every length up to {LENGTHS_CHECKED}"
+    return fails, (source, start - 1)
+
+
+def shape_guards(model: nn.Module, ep: Any, tokens: str) -> tuple[list[tuple[int, int]], list[tuple[str, int]]]:
     """Read the conditions on the input sizes ``torch.export`` recorded while tracing (``ep._guards_code``): what
     must hold for the traced graph to be the model's forward. Returns the single excluded sizes, ``(dim, n)``
-    for a condition ``size != n`` (``attnopt.pipeline.kv`` runs the model at that size and compares), and
-    raises :class:`PositionError` for any other condition but an upper bound on the length (``max_len``
-    follows it: ``resolve_max_len``) or equal sizes of the tokens and a captured mask.
+    (``attnopt.pipeline.kv`` runs the model at that size and compares), and the bounds on the length the
+    conditions set (``max_len`` follows them: ``resolve_max_len``).
+
+    A condition on the length alone (``T <= 64``, ``2 + T <= 66``, ``64 - max(0, 64 - T) != 64``) is evaluated at
+    every length up to :data:`LENGTHS_CHECKED`: the run of lengths it excludes up to the end sets a bound, and up
+    to ``_MAX_EXCLUDED`` single lengths below it are compared. A condition ``B != n`` on the batch is compared at
+    ``n``; tokens and a captured mask of equal sizes are what the capture passes. Any other condition raises
+    :class:`PositionError`.
 
     A cached step runs the graph with other sizes than the capture (one new token, any batch), so a Python
     branch on the batch size or the length (``if T % 2 == 0:``) would be served by the branch traced. Branches
@@ -162,24 +214,27 @@ def shape_guards(model: nn.Module, ep: Any, tokens: str) -> list[tuple[int, int]
     """
     guards = getattr(ep, "_guards_code", None)
     excluded: list[tuple[int, int]] = []
+    bounds: list[tuple[str, int]] = []
     for g in guards or ():
         text = _unwrap(str(g).strip())
-        m = _BOUND.match(text)
-        if m and m.group(1) in (tokens, "attention_mask") and m.group(2) in ("0", "1"):  # the mask: the tokens' shape
-            dim, op, n = int(m.group(2)), m.group(3), int(m.group(4))
-            if op == "!=":
-                excluded.append((dim, n))
-                continue
-            if dim == 1:
-                continue  # an upper bound on the length: the range constraint gives it to max_len
         if _SAME.match(text):
             continue  # a mask captured with the tokens' shape (forward_kwargs)
+        holds = _length_condition(text, tokens)
+        if holds is not None:
+            lengths, bound = _length_bound(model, text, holds)
+            excluded.extend((1, n) for n in lengths)
+            bounds.append(bound)
+            continue
+        m = _BOUND.match(text)
+        if m and m.group(1) in (tokens, "attention_mask") and m.group(2) == "0" and m.group(3) == "!=":
+            excluded.append((0, int(m.group(4))))  # the mask: the tokens' shape
+            continue
         raise PositionError(
             f"{type(model).__name__}.forward takes a path that depends on the input's size: torch.export recorded "
             f"the condition `{text}` for the traced graph. A cached step runs the graph for one new token (and "
             "other batch sizes) while the model as written sees the whole sequence, so the path traced at capture "
             "would not be the model's on every step; remove the branch on the batch size or length from forward")
-    return excluded
+    return excluded, bounds
 
 
 def written_state(graph: fx.Graph) -> list[str]:
@@ -237,14 +292,30 @@ def _tidy(gm: fx.GraphModule) -> None:
 
     ``aten._assert_tensor_metadata`` (a dtype check after ``.float()``) is dropped; ``a.type_as(b)`` and
     ``a.float()`` (``aten.to.dtype``) become ``aten._to_copy(a, dtype=...)``; ``x[:, :]`` (a slice from 0 to
-    the end) and inactive dropout (``aten.dropout(x, p, train=False)`` or ``p == 0``) become ``x``.
+    the end) and inactive dropout (``aten.dropout(x, p, train=False)`` or ``p == 0``) become ``x``; a number
+    made a tensor in forward (``torch.tensor(finfo.min)``: ``lift_fresh_copy`` of a 0-d constant export lifted,
+    then maybe ``detach_``, GPT-Neo's fill) becomes ``aten.full([], value)``, as dynamo graphs spell it.
     None of them changes a value; active dropout stays, and the position analysis refuses it.
     """
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is aten._assert_tensor_metadata.default:
+        if node.target is aten.lift_fresh_copy.default and isinstance(node.args[0], fx.Node) \
+                and node.args[0].op == "get_attr":
+            value = _attr(gm, str(node.args[0].target))
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+                with graph.inserting_before(node):
+                    full = graph.call_function(aten.full.default, ([], value.item()),
+                                               {"dtype": value.dtype, "device": value.device})
+                full.meta.update(node.meta)
+                for user in list(node.users):  # ``torch.tensor(x)`` is detached already: ``detach_`` changes nothing
+                    if user.target in (aten.detach_.default, aten.detach.default):
+                        user.replace_all_uses_with(full)
+                        graph.erase_node(user)
+                node.replace_all_uses_with(full)
+                graph.erase_node(node)
+        elif node.target is aten._assert_tensor_metadata.default:
             graph.erase_node(node)
         elif node.target in (aten.type_as.default, aten.to.dtype):
             with graph.inserting_before(node):
@@ -260,6 +331,13 @@ def _tidy(gm: fx.GraphModule) -> None:
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def config_max(model: nn.Module) -> int | None:

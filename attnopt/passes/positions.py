@@ -347,6 +347,75 @@ def _same_layout(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     return a.kind(x)
 
 
+def _repeat(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``x.repeat(*counts)`` tiles whole copies of ``x`` (leading counts add dims): a count of 1 on each time
+    axis keeps every time slice where it was (BLOOM's ALiBi table repeated per batch row)."""
+    x, counts = kw["input"], list(kw["repeats"])
+    a.no_length(counts)
+    lead = len(counts) - len(shape_of(x) or ())
+    if any(counts[lead + i] != 1 for i in a.axes(x)):
+        raise _Refuse("repeats along the sequence axis")
+    return a.kind(x)
+
+
+def _repeat_interleave(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``x.repeat_interleave(r, dim)`` repeats each element along ``dim`` in place: position-wise when ``dim``
+    is not a time axis and the counts are fixed (rotary tables interleaved per pair: GPT-J, CodeGen, Cohere)."""
+    x = kw.get("input")
+    if x is None:  # repeat_interleave(counts): indices built from counts computed from the sequence
+        raise _Refuse("builds indices from repeat counts computed from the sequence")
+    counts = kw["repeats"]
+    if isinstance(counts, fx.Node) and a.kind(counts) != CONST:
+        raise _Refuse("repeats by counts computed from the sequence")
+    a.no_length([counts, kw.get("output_size")])
+    if kw.get("dim") is None:
+        if a.axes(x) or a.stretched(x):
+            raise _Refuse("repeats the elements of a flattened tensor that has a sequence axis")
+        return a.kind(x)
+    if _dim(kw["dim"], len(shape_of(x) or ())) in a.axes(x):
+        raise _Refuse(f"repeats along the sequence axis (dim {kw['dim']})")
+    return a.kind(x)
+
+
+#: ops that make a tensor of ones (``full`` with a fill of 1), and the casts and copies that keep it ones
+_ONES = {aten.ones.default, aten.ones_like.default, aten.new_ones.default}
+_FULLS = {aten.full.default, aten.full_like.default, aten.new_full.default}
+_KEEPS_ONES = {aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default,
+               aten.alias.default, aten.lift_fresh_copy.default, aten.detach.default}
+
+
+def _all_ones(x: Any) -> bool:
+    """``x`` is made by ``ones`` (or ``full(..., 1)``) and only cast or copied since: every value is 1."""
+    while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _KEEPS_ONES:
+        x = x.args[0]
+    if not isinstance(x, fx.Node) or x.op != "call_function":
+        return False
+    if x.target in _ONES:
+        return True
+    if x.target in _FULLS:
+        kw = normalize_function(x.target, x.args, x.kwargs, normalize_to_only_use_kwargs=True)
+        return kw is not None and kw.kwargs.get("fill_value") in (1, True)
+    return False
+
+
+def _cumsum(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``cumsum`` over another axis acts per position; over the time axis of a tensor of ones it counts the
+    positions: ``ones(B, T).cumsum(1)`` is ``arange(T) + 1`` in every row (OPT's positions from an all-ones
+    ``attention_mask``), which the cached model shifts as it shifts ``arange`` (:func:`offset_positions`).
+    In a float type the count is exact up to ``2 ** significand bits`` positions, a bound on ``max_len``."""
+    x = kw["input"]
+    nd = len(shape_of(x) or ())
+    if _dim(kw["dim"], nd) not in a.axes(x) or not _all_ones(x):
+        return _along("dim")(a, node, kw)
+    out = meta_value(node)
+    if out.is_floating_point():
+        exact = 2 ** (1 - int(math.log2(torch.finfo(out.dtype).eps)))  # 2 ** significand bits
+        a.plan.bounds.append((f"the count of positions by {describe(node)} in {out.dtype} (exact up to {exact})",
+                              exact))
+    a.plan.shifted.append(node)
+    return POSITION
+
+
 def _dropout(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     if not _is_inactive_dropout(node):
         raise _Refuse("is active dropout (the model is in training mode); call model.eval() before generating")
@@ -530,6 +599,10 @@ def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
                 raise _Refuse(f"indexes the sequence axis (dim {tensors[0]}) with a tensor, e.g. `x[:, [-1]]` for "
                               "the last position only; the cache needs forward to return logits for every position "
                               "(nanoGPT: the path taken with targets)")
+            if len(tensors) == 1 and _fixed_index(a, indices[tensors[0]]) and not a.stretched(table):
+                # ``x[..., [-2], :]`` with a fixed integer index on another axis (Falcon's key and value heads):
+                # every time slice of the result is picked from the same time slice of ``x``
+                return a.kind(table)
             raise _Refuse(f"indexes {len(tensors)} axes with index tensors (dims {tensors}); attnopt follows "
                           "one index tensor on the first axis")
         idx = indices[0]
@@ -539,6 +612,13 @@ def _lookup(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     if kind == POSITION:
         a.plan.bounds.append((f"the position table read by {describe(node)}", int((shape_of(table) or (0,))[0])))
     return kind
+
+
+def _fixed_index(a: _Analysis, idx: fx.Node) -> bool:
+    """An integer index tensor computed from parameters and buffers alone (no time axis, no sequence length)."""
+    val = meta_value(idx)
+    return a.kind(idx) == CONST and isinstance(val, torch.Tensor) and not val.is_floating_point() \
+        and val.dtype != torch.bool and not a.axes(idx) and not a.stretched(idx)
 
 
 def _index_select(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
@@ -632,7 +712,7 @@ _RULES: dict[Any, Any] = {
     **{op: _reshape for op in (_P.view, _P.reshape, _P._unsafe_view, _P.flatten, _P.unflatten)},
     **{op: _along("dim") for op in (
         _P.split, _P.split_with_sizes, _P.chunk, _P.unbind, _P.select, _P.narrow, _P.softmax, _P._softmax,
-        _P.log_softmax, _P._log_softmax, _P.cumsum, _P.cumprod, _P.topk, _P.sort,
+        _P.log_softmax, _P._log_softmax, _P.cumprod, _P.topk, _P.sort,
         _P.logsumexp)},
     **{op: _along("dim", default_all=True) for op in (
         _P.sum, _P.mean, _P.amax, _P.amin, _P.var, _P.std, _P.prod, _P.any, _P.all, _P.norm,
@@ -647,6 +727,7 @@ _RULES: dict[Any, Any] = {
         _P.ones, _P.zeros, _P.full, _P.empty, _P.new_ones, _P.new_zeros, _P.new_full, _P.new_empty,
         _P.ones_like, _P.zeros_like, _P.full_like, _P.empty_like, _P.scalar_tensor)},
     _P.cat: _cat, _P.stack: _stack,
+    _P.repeat: _repeat, _P.repeat_interleave: _repeat_interleave, _P.cumsum: _cumsum,
 }
 
 
@@ -669,12 +750,26 @@ def analyse_positions(gm: fx.GraphModule, tokens: fx.Node, sites: Collection[fx.
 
 def offset_positions(gm: fx.GraphModule, plan: PositionPlan, offset: fx.Node) -> fx.GraphModule:
     """Shift every position reader of ``plan`` by ``offset``: ``arange(T)`` -> ``arange(offset, offset + t)``,
-    ``table[:T]`` -> ``table[offset:offset + t]``. Ends with ``lint()`` and ``recompile()``."""
+    ``table[:T]`` -> ``table[offset:offset + t]``, a count of ones ``x.cumsum(d)`` -> ``x.cumsum(d) + offset * x``.
+    Ends with ``lint()`` and ``recompile()``."""
     graph = gm.graph
     for node in plan.shifted:
         kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
         assert kw is not None
         kwargs = dict(kw.kwargs)
+        if node.target.overloadpacket is aten.cumsum:  # type: ignore[union-attr]
+            # a count of ones from 1: each row counts on from the offset, ``cumsum(x) + offset * x``
+            dtype = meta_value(node).dtype
+            users = list(node.users)
+            with graph.inserting_after(node):
+                ones = graph.call_function(aten._to_copy.default, (kwargs["input"],), {"dtype": dtype})
+            with graph.inserting_after(ones):
+                more = graph.call_function(aten.mul.Tensor, (ones, offset))
+            with graph.inserting_after(more):
+                shifted = graph.call_function(aten.add.Tensor, (node, more))
+            for user in users:
+                user.replace_input_with(node, shifted)
+            continue
         with graph.inserting_before(node):
             end = graph.call_function(operator.add, (offset, kwargs["end"]))
         if node.target.overloadpacket is aten.slice:  # type: ignore[union-attr]
@@ -692,7 +787,8 @@ def index_positions(gm: fx.GraphModule, plan: PositionPlan) -> fx.GraphModule:
     """A copy of ``gm`` (sharing its modules and tensors) whose position readers read a last input ``positions``.
 
     ``positions`` holds one position per time step (``(T,)`` long): ``arange(T)`` becomes ``positions`` (in
-    arange's dtype), ``table[:T]`` along dim ``d`` becomes ``table.index_select(d, positions)``. Call it before
+    arange's dtype), ``table[:T]`` along dim ``d`` becomes ``table.index_select(d, positions)``, a count of
+    ones ``x.cumsum(d)`` becomes ``x * (positions + 1)`` along ``d``. Call it before
     :func:`offset_positions` (``plan`` names ``gm``'s nodes). The proof that every time step is computed from its
     own token and position alone (outside the sites) holds for any positions, so a ragged batch can run with
     its rows folded into the time axis, each slot carrying its row's position. Ends with ``lint()``.
@@ -711,6 +807,16 @@ def index_positions(gm: fx.GraphModule, plan: PositionPlan) -> fx.GraphModule:
         if node.target.overloadpacket is aten.slice:  # type: ignore[union-attr]
             node.target, node.args, node.kwargs = aten.index_select.default, (kwargs["input"], kwargs["dim"],
                                                                                 positions), {}
+        elif node.target.overloadpacket is aten.cumsum:  # type: ignore[union-attr]
+            # ones counted along dim d: ``x * (positions + 1)``, the positions laid along d
+            x, val = kwargs["input"], meta_value(old)
+            d = _dim(kwargs["dim"], val.dim())
+            with graph.inserting_before(node):
+                count = graph.call_function(aten.add.Tensor, (positions, 1))
+                count = graph.call_function(aten._to_copy.default, (count,), {"dtype": val.dtype})
+                count = graph.call_function(aten.view.default, (count, [-1] + [1] * (val.dim() - 1 - d)))
+                ones = graph.call_function(aten._to_copy.default, (x,), {"dtype": val.dtype})
+            node.target, node.args, node.kwargs = aten.mul.Tensor, (ones, count), {}
         else:
             node.target, node.args = aten._to_copy.default, (positions,)
             node.kwargs = {"dtype": meta_value(old).dtype, "device": meta_value(old).device}

@@ -99,9 +99,11 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     if chosen:
         rewrite_sites(gm, chosen, "sdpa", {})              # 4. each to a site module ...
     offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector, checks)  # 5. ... then to a KV-cache site
+    relaid_as_aten(gm, site_nodes)                         # (the layout changes the rewrite added, as ATen ops)
     plan = analyse_positions(gm, tokens, site_nodes, notes)  # 6. the rest is position-wise (else PositionError)
     rows = index_positions(gm, plan)                       # 7. a copy reading one position per time step (ragged)
     offset_positions(gm, plan, offset)                     # 8. positions start at the offset
+    plan.bounds.extend(gm.meta.get("length_bounds", []))  # conditions on the length export recorded
     limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)  # 9. how long the caches are
     for s, node in zip(sites, site_nodes):
         s.max_len, s.bytes_per_token = limit, cache_bytes_per_token(node, tokens)
@@ -275,6 +277,50 @@ def _probe(model: nn.Module, declared: int | None) -> int:
     hint = getattr(config, "sliding_window", None)
     probe = hint + 1 if isinstance(hint, int) and not isinstance(hint, bool) and 0 < hint <= 4096 else 256
     return min(probe, declared) if declared else probe
+
+
+#: The method calls ``rewrite_sites`` adds to bring a site's q, k, v to (B, H, T, D) and its output back
+#: (``find_sites.relayout``), as the ATen ops the position analysis reads.
+_RELAYOUT_OPS = {"unflatten": torch.ops.aten.unflatten.int, "flatten": torch.ops.aten.flatten.using_ints,
+                 "size": torch.ops.aten.sym_size.int, "unsqueeze": torch.ops.aten.unsqueeze.default,
+                 "expand": torch.ops.aten.expand.default}
+
+
+def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
+    """Replace the layout method calls the rewrite added (XGLM's heads folded into the batch, ``(B*H, T, D)``,
+    unflattened to ``(B, H, T, D)`` for the site) by ATen ops with symbolic shapes in ``node.meta``, and give each
+    site node the shape of its output ``(B, H, T, Dv)``, so the position analysis reads them as it reads the
+    captured graph. Calls of other methods are left, and the analysis refuses them."""
+    graph = gm.graph
+    vals = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    fake_mode = torch._guards.detect_fake_mode(vals)
+    if fake_mode is None:
+        return
+
+    def val(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return a.meta.get("val")
+        return type(a)(val(x) for x in a) if isinstance(a, (tuple, list)) else a
+
+    sites = set(site_nodes)
+    with fake_mode:
+        for node in list(graph.nodes):
+            if node.op == "call_method" and node.target in _RELAYOUT_OPS:
+                args = val(node.args)
+                if any(a is None for a in _flat_args(args)):
+                    continue
+                node.meta["val"] = getattr(args[0], str(node.target))(*args[1:])
+                node.target, node.op = _RELAYOUT_OPS[str(node.target)], "call_function"
+            elif node in sites and not isinstance(node.meta.get("val"), torch.Tensor):
+                q, v = val(node.args[0]), val(node.args[2])
+                if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4:
+                    node.meta["val"] = q.new_empty([*q.shape[:-1], v.shape[-1]])
+    graph.lint()
+    gm.recompile()
+
+
+def _flat_args(a: Any) -> list[Any]:
+    return [y for x in a for y in _flat_args(x)] if isinstance(a, (tuple, list)) else [a]
 
 
 def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None, checks: list[MaskCheck]

@@ -1,0 +1,248 @@
+"""Spellings of position-wise code that real causal LMs use, read by the KV cache's position proof.
+
+Each is taken from a Hugging Face family (named per model) and written here small:
+
+* rotary tables interleaved per pair with ``repeat_interleave`` on the feature axis (GPT-J, CodeGen, Cohere);
+* a position table tiled per batch row with ``repeat`` (BLOOM's ALiBi table);
+* key and value heads picked from a fused projection with a fixed index, ``x[..., [-2], :]`` (Falcon);
+* positions counted from ones, ``ones(B, T).cumsum(1) - 1`` (OPT, from an all-ones ``attention_mask``);
+* a fill made a tensor in forward, ``torch.tensor(finfo.min)`` in ``torch.where`` (GPT-Neo), and a floor
+  ``torch.max(s, torch.tensor(finfo.min))`` on heads folded into the batch, ``(B*H, T, D)`` with ``bmm`` (XGLM);
+* conditions on the length that ``torch.export`` records in other forms than ``T <= n`` (``2 + T <= 34``).
+
+Each is cached and gives the plain loop's tokens, also for ragged prompts; the same ops across positions
+(along the time axis) are refused, naming the op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from attnopt.generation import PositionError, cached, generate, generate_plain
+from attnopt.passes.kv_capture import forward_kwargs
+
+V, C, H = 40, 16, 2
+D = C // H
+
+
+def _alone(model, prompts, n):
+    return [generate_plain(model, p[None], n)[0] for p in prompts]
+
+
+class Base(nn.Module):
+    def __init__(self, block_size: int = 24):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block_size = block_size
+        self.wte = nn.Embedding(V, C)
+        self.qkv, self.proj, self.head = nn.Linear(C, 3 * C), nn.Linear(C, C), nn.Linear(C, V)
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)))
+
+    def attend(self, q, k, v):
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+        att = att.masked_fill(~self.bias[:T, :T], float("-inf")).softmax(-1)
+        return att @ v
+
+    def heads(self, x):
+        B, T, _ = x.shape
+        return [t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(C, 2)]
+
+    def merge(self, y):
+        B, _, T, _ = y.shape
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Interleaved(Base):
+    """GPT-J's rotary: sin and cos per pair of features, ``repeat_interleave(2, dim=-1)``."""
+
+    def __init__(self, along_time: bool = False):
+        super().__init__()
+        self.along_time = along_time
+        self.register_buffer("inv", 1.0 / (100 ** (torch.arange(0, D, 2).float() / D)))
+
+    def rotate(self, x, sin, cos):
+        pairs = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return x * cos + pairs * sin
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx)
+        freqs = torch.arange(T, device=idx.device).float()[:, None] * self.inv  # (T, D/2)
+        sin, cos = freqs.sin().repeat_interleave(2, dim=-1), freqs.cos().repeat_interleave(2, dim=-1)
+        if self.along_time:
+            x = x.repeat_interleave(2, dim=1)[:, 1::2]  # each position twice, then every other one: mixes times
+        q, k, v = self.heads(x)
+        q, k = self.rotate(q, sin, cos), self.rotate(k, sin, cos)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+class Tiled(Base):
+    """A position table tiled per batch row with ``repeat`` (BLOOM's ALiBi table ``(H, 1, T).repeat(B, 1, 1)``)."""
+
+    def __init__(self, along_time: bool = False):
+        super().__init__()
+        self.along_time = along_time
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        pe = self.wpe(torch.arange(T, device=idx.device))[None].repeat(B, 1, 1)  # (B, T, C)
+        x = self.wte(idx) + pe
+        if self.along_time:
+            x = x + x.repeat(1, 2, 1)[:, T:]  # the sequence tiled twice along time
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+class PickedHeads(Base):
+    """Falcon's multi-query split: a fused projection viewed ``(B, T, H + 2, D)``, queries ``[..., :-2, :]``, the
+    key and value heads by a fixed index ``[..., [-2], :]`` and ``[..., [-1], :]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = nn.Linear(C, (H + 2) * D)
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        f = self.fused(x).view(B, T, H + 2, D)
+        q, k, v = f[..., :-2, :], f[..., [-2], :], f[..., [-1], :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2).expand(B, H, T, D), v.transpose(1, 2).expand(B, H, T, D)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+class Counted(Base):
+    """OPT's positions: ``cumsum`` of an all-ones mask (built in forward, or the ``attention_mask`` it requires)
+    along time, minus one, as indices of a learned table (with OPT's offset of 2)."""
+
+    def __init__(self, takes_mask: bool = False, dtype: torch.dtype = torch.float32, ones: float = 1.0):
+        super().__init__()
+        self.dtype, self.ones = dtype, ones
+        self.wpe = nn.Embedding(26, C)
+        if takes_mask:
+            self.forward = self.forward_with_mask  # type: ignore[method-assign]
+
+    def embed(self, idx, mask):
+        pos = (torch.cumsum(mask, dim=1) * mask - 1).long()
+        x = self.wte(idx) + self.wpe(pos + 2)
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+    def forward(self, idx):
+        B, T = idx.shape
+        return self.embed(idx, torch.full((B, T), self.ones, dtype=self.dtype, device=idx.device))
+
+    def forward_with_mask(self, idx, attention_mask):
+        return self.embed(idx, attention_mask)
+
+
+class FoldedHeads(Base):
+    """XGLM's attention: heads folded into the batch, ``bmm`` on ``(B*H, T, D)``, a causal mask filled with
+    ``torch.tensor(finfo.min)`` in ``torch.where`` (GPT-Neo) and the scores floored at the minimum with
+    ``torch.max(s, torch.tensor(finfo.min))``; and a length check ``if T + 2 > 34: raise``."""
+
+    def __init__(self):
+        super().__init__()
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        if T + 2 > 34:
+            raise ValueError("too long")
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2).reshape(B * H, T, D) for t in self.qkv(x).split(C, 2))
+        s = torch.bmm(q, k.transpose(1, 2)).view(B, H, T, T) / math.sqrt(D)
+        s = torch.where(self.bias[:T, :T], s, torch.tensor(torch.finfo(s.dtype).min))
+        s = torch.max(s, torch.tensor(torch.finfo(s.dtype).min))
+        y = torch.bmm(s.view(B * H, T, T).softmax(-1), v).view(B, H, T, D)
+        return self.head(x + self.merge(y))
+
+
+@pytest.mark.parametrize("model", [Interleaved(), Tiled(), PickedHeads(), Counted(), Counted(takes_mask=True),
+                                   Counted(dtype=torch.long), FoldedHeads()],
+                         ids=["repeat_interleave", "repeat", "fixed-index", "cumsum-of-ones", "cumsum-of-the-mask",
+                              "cumsum-of-long-ones", "folded-heads"])
+def test_position_wise_spellings_are_cached_exactly(model):
+    model.eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        seq = torch.cat((idx, idx[:, :3]), 1)
+        full = model(seq, **forward_kwargs(model, seq))  # an all-ones attention_mask where forward requires one
+        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
+    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
+    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+
+
+@pytest.mark.parametrize("model, op, why", [
+    (Interleaved(along_time=True), "aten.repeat_interleave", "repeats along the sequence axis (dim 1)"),
+    (Tiled(along_time=True), "aten.repeat", "repeats along the sequence axis"),
+    (Counted(ones=2.0), "aten.cumsum", "works along the sequence axis"),
+], ids=["repeat_interleave-along-time", "repeat-along-time", "cumsum-of-twos"])
+def test_the_same_ops_across_positions_are_refused(model, op, why):
+    with pytest.raises(PositionError) as info:
+        cached(model.eval())
+    msg = str(info.value)
+    assert op in msg and why in msg and "test_generation_spellings.py:" in msg, msg
+
+
+def test_a_count_of_ones_in_a_half_type_bounds_max_len():
+    """bf16 holds every whole number only up to 256: the count is exact that far, and max_len says so."""
+    model = Counted(dtype=torch.bfloat16).eval()
+    model.wpe = nn.Embedding(300, C)
+    model.bias = torch.tril(torch.ones(300, 300, dtype=torch.bool))
+    lm = cached(model)
+    assert lm.max_len == 256 and "bfloat16 (exact up to 256)" in lm.max_len_source
+    idx = torch.randint(0, V, (1, 4))
+    assert torch.equal(generate(lm, idx, 5), generate_plain(model, idx, 5))
+
+
+def test_a_length_check_in_another_form_becomes_max_len():
+    """``if T + 2 > 34: raise`` is recorded as ``2 + T <= 34``: evaluated at every length, a bound of 32."""
+    model = FoldedHeads().eval()
+    model.wpe = nn.Embedding(40, C)
+    model.bias = torch.tril(torch.ones(40, 40, dtype=torch.bool))
+    lm = cached(model)
+    assert lm.max_len == 32 and "`2 + L['idx'].size()[1] <= 34`" in lm.max_len_source, lm.max_len_source
+    with pytest.raises(ValueError, match="more than max_len=32"):
+        generate(lm, torch.randint(0, V, (1, 30)), 4)
+
+
+class Branchy(Base):
+    """A branch on the length export records as a condition: at one length (compared), or at many (refused)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        if self.how == "seven" and T != 7:
+            x = x * 1.0  # the same values either way: the probe at length 7 agrees
+        if self.how == "seven-differs" and T != 7:
+            x = x * 2.0
+        if self.how == "thirds" and T % 3 == 0:
+            x = x * 2.0
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+def test_a_single_excluded_length_is_compared_and_many_are_refused():
+    model = Branchy("seven").eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (1, 3))
+    assert torch.equal(generate(lm, idx, 8), generate_plain(model, idx, 8))
+    with pytest.raises(PositionError, match="differs from the model as written on a prompt of 7 token"):
+        cached(Branchy("seven-differs").eval())
+    with pytest.raises(PositionError, match=r"another path at 21845 lengths \(3, 6, 9, 12, 15, 18, 21, 24, \.\.\.\)"):
+        cached(Branchy("thirds").eval())
