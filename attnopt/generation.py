@@ -225,6 +225,13 @@ class _Stopping:
         self.done = torch.zeros(idx.size(0), 1, dtype=torch.bool, device=idx.device)
         self.steps = torch.zeros(idx.size(0), 1, dtype=torch.long, device=idx.device)  # new tokens until done
 
+    def fits(self, vocab: int) -> None:
+        """The padding token is fed back to the model for finished rows: it must be one of its tokens."""
+        if self.active and self.pad is not None and self.pad >= vocab:
+            raise ValueError(f"pad_token_id={self.pad} is not a token of the model's vocabulary of {vocab} (the "
+                             "padding token is fed back for the sequences that finished); pass a pad_token_id "
+                             f"below {vocab}")
+
     def kept(self, n: int) -> list[int]:
         """How many of the ``n`` new tokens each sequence produced before it finished (its end token included)."""
         return self.steps.flatten().tolist() if self.active else [n] * self.done.size(0)
@@ -272,6 +279,7 @@ def _decode(first: Callable[[torch.Tensor], torch.Tensor], step: Callable[[torch
             stopping: _Stopping) -> Iterator[torch.Tensor]:
     """The decoding loop every entry point shares: logits of the prompt, then pick, stop, feed back."""
     logits, seq = first(idx), idx
+    stopping.fits(logits.size(-1))
     for i in range(max_new_tokens):
         nxt, finished = stopping.after(pick(logits[:, -1, :]), seq)
         seq = torch.cat((seq, nxt), dim=1)

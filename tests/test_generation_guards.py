@@ -129,6 +129,13 @@ class Opts:  # a plain class of the user's
 
 
 SETTINGS = Opts()
+SIGN = 1.0  # read by a helper method, not by forward
+BIAS = torch.zeros(V)  # a module-level tensor: rebinding the name gives forward another tensor
+
+
+@__import__("dataclasses").dataclass(frozen=True)
+class HeadConfig:
+    mult: float = 1.0
 
 
 class Stateful(LM):
@@ -144,19 +151,34 @@ class Stateful(LM):
         self.ns = types.SimpleNamespace(mult=1.0)
         self.obj = Opts()
         self.register_buffer("extra", None)
+        self.head_cfg = HeadConfig()
+        self.held = {"bias": torch.zeros(V)}
+        self.act = torch.relu
+
+    def post(self, out):
+        return out * SIGN
 
     def forward(self, idx):
         how = self.how2
         mult = (self.opts["mult"] if how == "dict" else self.ns.mult if how == "ns" else self.obj.mult
                 if how == "obj" else GAIN if how == "global" else TABLE["mult"] if how == "global_dict"
-                else SETTINGS.mult if how == "global_ns" else 1.0)
+                else SETTINGS.mult if how == "global_ns" else self.head_cfg.mult if how == "config" else 1.0)
         out = super().forward(idx) * mult
         if self.extra is not None:
             out = out + self.extra
+        if how == "method_global":
+            out = self.post(out)
+        elif how == "global_tensor":
+            out = out + BIAS
+        elif how == "dict_tensor":
+            out = out + self.held["bias"]
+        elif how == "function":
+            out = self.act(out)
         return out
 
 
-@pytest.mark.parametrize("how", ["dict", "ns", "obj", "global", "global_dict", "global_ns", "buffer", "hook"])
+@pytest.mark.parametrize("how", ["dict", "ns", "obj", "global", "global_dict", "global_ns", "buffer", "hook", "config",
+                                 "method_global", "global_tensor", "dict_tensor", "function"])
 def test_python_state_changed_after_capture_is_seen(how, monkeypatch):
     from attnopt.generation import ModelChangedError
 
@@ -179,6 +201,16 @@ def test_python_state_changed_after_capture_is_seen(how, monkeypatch):
         monkeypatch.setattr(SETTINGS, "mult", 4.0)
     elif how == "buffer":
         model.extra = torch.ones(V)
+    elif how == "config":  # another frozen config in its place
+        model.head_cfg = __import__("dataclasses").replace(model.head_cfg, mult=-1.0)
+    elif how == "method_global":
+        monkeypatch.setitem(globals(), "SIGN", -1.0)
+    elif how == "global_tensor":
+        monkeypatch.setitem(globals(), "BIAS", torch.randn(V) * 10)
+    elif how == "dict_tensor":
+        model.held["bias"] = torch.randn(V) * 10
+    elif how == "function":
+        model.act = torch.neg
     else:
         handle.remove()
         model.register_forward_hook(lambda m, a, out: out * 2.0)  # the same count of hooks, another hook

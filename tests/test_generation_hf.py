@@ -111,6 +111,25 @@ def _family(name: str):
                                           max_position_embeddings=32, **common))
 
 
+def test_gpt2_with_upcast_attention_and_layer_scaling():
+    """``reorder_and_upcast_attn``: ``baddbmm`` on heads folded into the batch with k given transposed, the
+    scores in float32; ``scale_attn_by_inverse_layer_idx``: a scale per layer."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                  reorder_and_upcast_attn=True, scale_attn_by_inverse_layer_idx=True,
+                                  attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    idx = torch.randint(1, VOCAB, (2, 5))
+    assert torch.equal(generate(model, idx, 10), generate_plain(model, idx, 10))
+
+
+def test_a_fused_attn_implementation_is_refused_saying_what_to_do():
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                   vocab_size=VOCAB, max_position_embeddings=32, attn_implementation="sdpa")
+    with pytest.raises(PositionError, match=r"through 'sdpa' .*attn_implementation=\"eager\""):
+        cached(transformers.LlamaForCausalLM(cfg).eval())
+
+
 @pytest.mark.parametrize("name", ["opt", "gptj", "falcon", "gpt_neo", "xglm"])
 def test_more_families_equal_the_plain_loop_batched_and_ragged(name):
     model = _family(name).eval()

@@ -246,3 +246,32 @@ def test_a_single_excluded_length_is_compared_and_many_are_refused():
         cached(Branchy("seven-differs").eval())
     with pytest.raises(PositionError, match=r"another path at 21845 lengths \(3, 6, 9, 12, 15, 18, 21, 24, \.\.\.\)"):
         cached(Branchy("thirds").eval())
+
+
+class RowsFolded(Base):
+    """Causal attention whose scores are viewed ``(B*H*T, T)`` around the softmax: a spelling the site finder
+    leaves alone, so the cache cannot serve it; the refusal says which attention and why."""
+
+    def __init__(self):
+        super().__init__()
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = self.heads(x)
+        att = ((q @ k.transpose(-2, -1)) / math.sqrt(D)).masked_fill(~self.bias[:T, :T], float("-inf"))
+        att = att.reshape(B * H * T, T).softmax(-1).view(B, H, T, T)
+        return self.head(x + self.merge(att @ v))
+
+
+def test_an_attention_left_alone_is_named_with_its_reason():
+    with pytest.raises(PositionError, match=r"aten.matmul at test_generation_spellings.py:\d+ mixes positions.*; it is "
+                                            r"part of the attention site0 \(.*\), which attnopt left alone: .+"):
+        cached(RowsFolded().eval())
+
+
+def test_a_padding_token_outside_the_vocabulary_says_so():
+    model = Interleaved().eval()
+    with pytest.raises(ValueError, match=f"pad_token_id=500 is not a token of the model's vocabulary of {V}"):
+        generate(model, torch.randint(0, V, (2, 3)), 4, eos_token_id=3, pad_token_id=500)

@@ -11,6 +11,7 @@ for why the result computes the same function.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from ..runtime.cached_lm import CachedLM, watch_model
 from ..runtime.kv_cache import KVCacheAttention, MaskCheck
 from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
+from ..spec import LEFT_ALONE
 from .steps import find_in, matches, new_selector
 
 
@@ -88,6 +90,13 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         raise TypeError(f"compile must be True or False, got {compile!r}")
     budget = parse_bytes(memory_budget)  # a clear error for a bad value, before the capture
     selector = new_selector() if variant == AUTO else None
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(implementation, str) and implementation != "eager":
+        raise PositionError(
+            f"{type(model).__name__} runs its attention through {implementation!r} (Hugging Face's "
+            "attn_implementation), a fused kernel the KV cache cannot prove causal; load or build it with "
+            "attn_implementation=\"eager\" (the hand-written attention attnopt rewrites), or use "
+            "attnopt.optimize(model).generate(...) with Hugging Face's own cache")
     declared = config_max(model)
     example_len = 4 if declared is None else max(2, min(4, declared))
     gm, tokens, ep = capture_lm(model, example_len)       # 1. forward(idx) -> logits, dynamic batch and length
@@ -100,7 +109,10 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
         rewrite_sites(gm, chosen, "sdpa", {})              # 4. each to a site module ...
     offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector, checks)  # 5. ... then to a KV-cache site
     relaid_as_aten(gm, site_nodes)                         # (the layout changes the rewrite added, as ATen ops)
-    plan = analyse_positions(gm, tokens, site_nodes, notes)  # 6. the rest is position-wise (else PositionError)
+    try:
+        plan = analyse_positions(gm, tokens, site_nodes, notes)  # 6. the rest is position-wise (else PositionError)
+    except PositionError as e:
+        raise _with_left_alone(e, found) from None
     rows = index_positions(gm, plan)                       # 7. a copy reading one position per time step (ragged)
     offset_positions(gm, plan, offset)                     # 8. positions start at the offset
     plan.bounds.extend(gm.meta.get("length_bounds", []))  # conditions on the length export recorded
@@ -269,6 +281,24 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
     return chosen, notes, checks
 
 
+def _with_left_alone(e: PositionError, found: list[Any]) -> PositionError:
+    """``e`` with the reason attnopt left an attention alone, when the op it names mixes positions in that
+    attention's module (its scores ``q @ k^T``: an attention the site finder did not read)."""
+    msg = str(e)
+    if "belongs to the attention" in msg or not ("sequence axes" in msg or "contracts over the sequence" in msg):
+        return e
+    at = re.match(r"\S+ at \S+:\d+(?: \(([^)]*)\))?", msg)  # ``aten.matmul at model.py:12 (h.0.attn)``
+    if at is None:
+        return e
+    for f in found:
+        record = f.record if isinstance(f, Match) else f
+        if record.decision == LEFT_ALONE and record.module_path == (at.group(1) or ""):
+            where = " ".join(x for x in (record.module_path, record.source) if x)
+            return PositionError(f"{msg}; it is part of the attention {record.name} ({where}), which attnopt left "
+                                 f"alone: {record.reason}")
+    return e
+
+
 def _probe(model: nn.Module, declared: int | None) -> int:
     """The length at which a mask checked at run time is read for a sliding window: past the window the config
     names (``sliding_window``, up to 4096: a hint only, the mask decides), else 256 positions (within the
@@ -283,7 +313,8 @@ def _probe(model: nn.Module, declared: int | None) -> int:
 #: (``find_sites.relayout``), as the ATen ops the position analysis reads.
 _RELAYOUT_OPS = {"unflatten": torch.ops.aten.unflatten.int, "flatten": torch.ops.aten.flatten.using_ints,
                  "size": torch.ops.aten.sym_size.int, "unsqueeze": torch.ops.aten.unsqueeze.default,
-                 "expand": torch.ops.aten.expand.default}
+                 "expand": torch.ops.aten.expand.default, "transpose": torch.ops.aten.transpose.int,
+                 "to": torch.ops.aten._to_copy.default}
 
 
 def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
@@ -309,7 +340,12 @@ def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
                 args = val(node.args)
                 if any(a is None for a in _flat_args(args)):
                     continue
+                if node.target == "to" and not (len(args) == 2 and isinstance(args[1], torch.dtype)
+                                                and not node.kwargs):
+                    continue  # only ``x.to(dtype)``, which the rewrite adds
                 node.meta["val"] = getattr(args[0], str(node.target))(*args[1:])
+                if node.target == "to":
+                    node.args, node.kwargs = (node.args[0],), {"dtype": node.args[1]}
                 node.target, node.op = _RELAYOUT_OPS[str(node.target)], "call_function"
             elif node in sites and not isinstance(node.meta.get("val"), torch.Tensor):
                 q, v = val(node.args[0]), val(node.args[2])

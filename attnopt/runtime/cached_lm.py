@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import operator
 import types
 import weakref
@@ -93,21 +94,28 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.
           torch.layout, enum.Enum)
 
 
+#: Functions a module may hold and call (``self.act = F.gelu``): pinned by identity.
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 #: Hooks every module runs (``nn.modules.module.register_module_forward_hook``): a dict per kind, by name.
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, held: bool = False) -> Any:
     """``value`` with its types as a comparable key when it is a plain value (a number, bool, string, None,
-    dtype, device, enum, or a tuple/list of those), else ``_MISSING``."""
+    dtype, device, enum, or a tuple/list/dict of those), else ``_MISSING``. Inside a tuple, list or dict
+    (``held``), a tensor or a function counts by identity: ``self.extra["bias"] = new`` replaces what forward
+    read as a constant."""
     if isinstance(value, _PLAIN):
         return type(value), value
+    if held and isinstance(value, (torch.Tensor, *_FUNCTIONS)):
+        return type(value), id(value)
     if isinstance(value, (tuple, list)):
-        items = tuple(_plain(v) for v in value)
+        items = tuple(_plain(v, True) for v in value)
         return _MISSING if any(i is _MISSING for i in items) else (type(value), items)
     if isinstance(value, dict):  # ``self.opts["mult"]``: compared by value on every call, like a list
-        pairs = tuple((_plain(k), _plain(v)) for k, v in value.items())
+        pairs = tuple((_plain(k), _plain(v, True)) for k, v in value.items())
         return _MISSING if any(_MISSING in p for p in pairs) else (type(value), pairs)
     return _MISSING
 
@@ -127,8 +135,22 @@ def _mutable(value: Any) -> bool:
 
 
 def _shown(value: Any) -> Any:
-    """``value`` as an error message shows it later: a copy of a list or dict (the live one may change)."""
+    """``value`` as an error message shows it later: a copy of a list or dict (the live one may change), a
+    tensor by its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return _Shown(f"a tensor {tuple(value.shape)} {str(value.dtype).replace('torch.', '')} at {id(value):#x}")
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(map(_shown, value)) if isinstance(value, list) else tuple(map(_shown, value))
+    if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+        return {k: _shown(v) for k, v in value.items()}
     return copy.deepcopy(value) if _mutable(value) else value
+
+
+class _Shown(str):
+    """A description that ``repr`` shows as it is."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 def _holds_fields(value: Any) -> bool:
@@ -141,6 +163,35 @@ def _holds_fields(value: Any) -> bool:
         return True
     home = type(value).__module__ or ""
     return not callable(value) and not home.startswith(("torch", "builtins", "logging", "typing", "weakref"))
+
+
+def _user_methods(cls: type) -> list[Any]:
+    """``forward`` of ``cls`` and the methods of the user's classes it reaches by name (``self.post(x)``; static
+    and class methods, properties), not torch's."""
+    found: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if (klass.__module__ or "").startswith(("torch", "builtins")):
+            continue
+        for name, value in vars(klass).items():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            if isinstance(value, types.FunctionType):
+                found[name] = value
+    out, todo, seen = [], ["forward"], set()
+    while todo:
+        fn = found.get(todo.pop())
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        out.append(fn)
+        codes = [fn.__code__]
+        while codes:
+            c = codes.pop()
+            codes.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
+            todo.extend(n for n in c.co_names if n in found)
+    return out
 
 
 def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, Any]]:
@@ -164,7 +215,7 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, An
                 if name not in g:
                     continue
                 value = g[name]
-                if _plain(value) is not _MISSING or _holds_fields(value):
+                if _plain(value) is not _MISSING or _holds_fields(value) or isinstance(value, torch.Tensor):
                     out.append((g, name, value))
                 elif left > 0 and isinstance(value, types.FunctionType) and not (
                         value.__module__ or "").startswith("torch"):
@@ -205,7 +256,7 @@ class _Attrs:
         lists: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, frozen): mutable, compared by value
         sizes: list[tuple[Any, int]] = []  # (dict, len): an entry added or removed
         owners, seen = [], set()
-        reads: dict[int, list[tuple[dict[str, Any], str, Any]]] = {}  # per forward function: every layer shares it
+        reads: dict[type, list[tuple[dict[str, Any], str, Any]]] = {}  # per class: every layer shares it
         for path, mod in self.model.named_modules():
             owners.append((path, mod))
             seen.add(id(mod))
@@ -226,14 +277,14 @@ class _Attrs:
                     for name, value in table.items():
                         if value is None:
                             same.append((table, name, None))
-                forward = getattr(type(obj), "forward", None)
-                user = not (getattr(forward, "__module__", None) or "torch").startswith("torch")
-                if user and id(forward) not in reads:
-                    reads[id(forward)] = _global_reads(forward)
-                for g, name, value in reads.get(id(forward), ()):
+                if type(obj) not in reads:  # what forward and the other methods of the user's classes read
+                    reads[type(obj)] = [r for fn in _user_methods(type(obj)) for r in _global_reads(fn)]
+                for g, name, value in reads[type(obj)]:
                     key = f"global `{name}` of {g.get('__name__', '?')}"
                     frozen = _plain(value)
-                    if frozen is _MISSING:  # an object with fields (a namespace): its fields, one level down
+                    if isinstance(value, torch.Tensor):  # rebinding the name gives forward another tensor
+                        frozen = ("tensor", id(value))
+                    elif frozen is _MISSING:  # an object with fields (a namespace): its fields, one level down
                         if id(value) not in seen:
                             seen.add(id(value))
                             owners.append((key, value))
@@ -267,9 +318,16 @@ class _Attrs:
                         lists.append((d, name, frozen))
                     else:
                         same.append((d, name, value))
-                elif module and id(value) not in seen and _holds_fields(value):
-                    seen.add(id(value))
-                    owners.append((key, value))  # a config or plain object: its fields, one level down
+                elif module and isinstance(value, _FUNCTIONS):  # ``self.act = F.gelu``, called by forward
+                    snap[key] = ("value", (type(value), id(value)), value)
+                    same.append((d, name, value))
+                elif module and _holds_fields(value):
+                    # a config or plain object: its fields, one level down; the object itself pinned, so one put
+                    # in its place (``dataclasses.replace``) has its fields compared
+                    same.append((d, name, value))
+                    if id(value) not in seen:
+                        seen.add(id(value))
+                        owners.append((key, value))
         return snap, same, lists, sizes
 
     def check(self) -> None:
