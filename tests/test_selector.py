@@ -600,3 +600,47 @@ def test_tune_times_again_the_provisional_choices_of_this_process(tmp_path):
     assert len(clock.timed) > n
     entries = [e for r in attnopt.explain(opt).records for e in r.extra.get("tuning", {}).values()]
     assert [(e.choice, e.provisional) for e in entries] == [("sdpa_flash", False)]
+
+
+# ----------------------------------------------------------------------------- staying right in use (issue 15)
+
+def _observed_site(tmp_path, seconds):
+    from attnopt.runtime.dispatch import DispatchingSite
+
+    clock = FakeClock({"sdpa": seconds, "math": 10 * seconds})
+    sel = _selector(clock, tmp_path, names=["sdpa", "math"])
+    return DispatchingSite("s", SPEC, "auto", selector=sel), sel
+
+
+def _calls(site, n, grad=False):
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=grad) for _ in range(3))
+    kw = dict(attn_mask=None, dropout_p=0.0, is_causal=True, scale=0.25, enable_gqa=False)
+    for _ in range(n):
+        site.run_candidate(q, k, v, kw)
+
+
+def test_a_choice_that_runs_clearly_slower_in_use_is_marked_for_retiming(tmp_path, monkeypatch):
+    """The tuning measured 0.1 us for sdpa; its sampled calls in use take far longer (another load, another
+    setup): the choice keeps serving, marked provisional on disk, so the next process or tune times it again."""
+    import attnopt.runtime.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "_SLOWER_MS", 0.0)
+    site, sel = _observed_site(tmp_path, 1e-7)
+    _calls(site, dispatch._SAMPLE_EVERY * dispatch._SAMPLES)
+    (entry,) = site.tuning.values()
+    assert entry.choice == "sdpa" and entry.provisional and "in use it ran" in entry.decision, entry.decision
+    assert site.observed[next(iter(site.tuning))] is None  # observed no further
+    (record,) = sel.cache.records()
+    assert record.entry.provisional and "sampled calls" in record.entry.decision
+    assert sel.retime_provisional() == 1  # attnopt.tune times it again
+
+
+def test_a_choice_as_fast_in_use_as_tuned_stays_final(tmp_path, monkeypatch):
+    import attnopt.runtime.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "_SLOWER_MS", 0.0)
+    site, sel = _observed_site(tmp_path, 10.0)  # the tuning measured 10 s: every call in use is faster
+    _calls(site, dispatch._SAMPLE_EVERY * dispatch._SAMPLES * 2)
+    (entry,) = site.tuning.values()
+    assert not entry.provisional and len(site.observed[next(iter(site.tuning))]) >= dispatch._SAMPLES
+    assert not sel.cache.records()[0].entry.provisional

@@ -23,7 +23,11 @@ brings its call to the candidates' layout (:func:`candidate_layout`) and its key
 6. **runs** it: when gradients are needed, inside :func:`~attnopt.runtime.autograd.recomputable`
    (its backward is the candidate's own unless autograd asks for a graph of the backward, where the
    reference is recomputed differentiably) unless the candidate is differentiable twice itself;
-   a candidate that raises is replaced by ``math`` for this call and every later one, with a warning.
+   a candidate that raises is replaced by ``math`` for this call and every later one, with a warning;
+7. **observes** the selector's choices in use: one call in ``_SAMPLE_EVERY`` of a choice run as chosen,
+   without gradients on the CPU, is timed (:meth:`DispatchingSite._observe`); a choice whose sampled calls
+   run clearly slower than its tuning measured is marked provisional (``Selector.slower_in_use``), so the
+   next process or ``attnopt.tune`` times the candidates again.
 
 Steps 1, 2, 4 and 5 depend on the call's signature alone (shapes, dtype, device, the mask's dtype,
 shape and whether it requires a gradient, causal, dropout, gradients), so their outcome is kept per
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -69,6 +74,14 @@ _TWICE_DIFFERENTIABLE = frozenset(("math", "sdpa_math"))
 
 #: Entries a per-call table keeps before it starts again (e.g. one entry per decode length).
 _TABLE_LIMIT = 4096
+
+#: A site times one call in ``_SAMPLE_EVERY`` (a power of two) of a choice the selector made; once
+#: ``_SAMPLES`` timed calls have a median ``_SLOWER`` times the tuning's (and ``_SLOWER_MS`` more), the choice
+#: is marked provisional (:meth:`Selector.slower_in_use`).
+_SAMPLE_EVERY = 64
+_SAMPLES = 8
+_SLOWER = 2.0
+_SLOWER_MS = 0.1
 
 
 def candidate_layout(q: torch.Tensor, k: torch.Tensor,
@@ -96,6 +109,7 @@ class _Plan(NamedTuple):
     fn: Any  # the registered candidate ``name``
     wrapped: bool  # run inside ``recomputable`` (gradients, by a candidate not differentiable twice)
     fallback: str | None  # why ``name`` is not ``choice`` (counted per call in ``site.fallbacks``), or None
+    key: Any = None  # the selector's shape key when its sampled calls are timed (see ``DispatchingSite._observe``)
 
 
 class DispatchingSite(nn.Module):
@@ -134,6 +148,9 @@ class DispatchingSite(nn.Module):
         self._ran: dict[str, str] = {}
         #: calls that ran as written or by a replacement, per reason (also the record's ``extra["fallbacks"]``)
         self.fallbacks: dict[str, int] = {}
+        #: sampled call times (s) of the selector's choices per shape key (None: no longer observed), a call count
+        self.observed: dict[Any, list[float] | None] = {}
+        self._calls = 0
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
         if selector is not None:
@@ -213,6 +230,10 @@ class DispatchingSite(nn.Module):
         try:
             if plan.wrapped:
                 return recomputable(self, plan.fn, q, k, v, kwargs)
+            if plan.key is not None:
+                self._calls += 1
+                if not self._calls % _SAMPLE_EVERY:
+                    return self._observe(plan, q, k, v, kwargs)
             return plan.fn(q, k, v, **kwargs)
         except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
             name = plan.name
@@ -224,11 +245,35 @@ class DispatchingSite(nn.Module):
             self.count_fallback(f"{name} raised at this site: math")
             return get_candidate("math")(q, k, v, **kwargs)
 
+    def _observe(self, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """One sampled call of a selector's choice, timed; a choice that runs clearly slower in use than its tuning
+        measured is marked provisional, so the next process or ``attnopt.tune`` times the candidates again."""
+        start = time.perf_counter()
+        out = plan.fn(q, k, v, **kwargs)
+        seconds = time.perf_counter() - start
+        times = self.observed.setdefault(plan.key, [])
+        entry = self.tuning.get(plan.key)
+        if times is None or entry is None or entry.provisional or plan.name != entry.choice:
+            return out
+        times.append(seconds)
+        if len(times) >= _SAMPLES:
+            observed = sorted(times)[len(times) // 2] * 1e3
+            recorded = entry.timings_ms.get(entry.choice, float("inf"))
+            if observed > _SLOWER * recorded and observed - recorded > _SLOWER_MS:
+                self.tuning[plan.key] = marked = self.selector.slower_in_use(self.spec, plan.key, q.device, entry,
+                                                                             observed, len(times))
+                if self.record is not None:
+                    self.record.extra.setdefault("tuning", {})[plan.key.describe()] = marked
+                self.observed[plan.key] = None
+            elif len(times) >= 4 * _SAMPLES:
+                del times[:_SAMPLES]  # the most recent calls: a slow-down is seen within a few samples
+        return out
+
     def _plan(self, call: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
               grad: bool) -> _Plan:
         """Steps 1-5 for a call signature not seen since the plans were last cleared; kept unless the
         choice was a stand-in for one call (a tuning that raised)."""
-        choice, keep = self._choice(q, k, v, kwargs, grad)
+        choice, keep, key = self._choice(q, k, v, kwargs, grad)
         name, why = choice, None
         if choice in self._failed:
             name, why = "math", f"{choice} raised at this site: math"
@@ -240,7 +285,11 @@ class DispatchingSite(nn.Module):
             served, why = "math", f"{served} raised at this site: math"
         elif served != name:
             why = f"{name} does not match the reference for these shapes: {served}"
-        plan = _Plan(choice, name, served, get_candidate(served), grad and served not in _TWICE_DIFFERENTIABLE, why)
+        # the selector's choice, run as chosen, without gradients on the CPU (where a call's time is its wall
+        # time, comparable with the tuning's): sampled calls are timed
+        observed = key if (name == served == choice and not grad and q.device.type == "cpu") else None
+        plan = _Plan(choice, name, served, get_candidate(served), grad and served not in _TWICE_DIFFERENTIABLE, why,
+                     observed)
         if keep:
             if len(self._plans) > _TABLE_LIMIT:
                 self._plans.clear()
@@ -250,12 +299,13 @@ class DispatchingSite(nn.Module):
     # ------------------------------------------------------------------ 1. the choice
 
     def _choice(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
-                grad: bool) -> tuple[str, bool]:
-        """The candidate chosen for this call, and whether it holds for every call of its signature."""
+                grad: bool) -> tuple[str, bool, Any]:
+        """The candidate chosen for this call, whether it holds for every call of its signature, and the
+        selector's shape key when the selector chose it (else None)."""
         if self.candidate != AUTO:
-            return self.candidate, True
+            return self.candidate, True, None
         if self.selector is None:
-            return self._recent.get("choice", "math"), False  # optimize() sets the selector after building the site
+            return self._recent.get("choice", "math"), False, None  # optimize() sets the selector later
         mask = kwargs["attn_mask"]
         key = shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
                         dropout=kwargs["dropout_p"] > 0, grad=grad)
@@ -269,11 +319,11 @@ class DispatchingSite(nn.Module):
                 warnings.warn(f"attnopt: could not tune {self.site_name} ({self.where}) for {key.describe()}: "
                               f"{type(e).__name__}: {e}; running {fallback} for this call", stacklevel=5)
                 self.count_fallback(f"the tuning raised: {fallback}")
-                return fallback, False
+                return fallback, False, None
             self.tuning[key] = entry
             if self.record is not None:
                 self.record.extra.setdefault("tuning", {})[key.describe()] = entry
-        return entry.choice, True
+        return entry.choice, True, key
 
     # ------------------------------------------------------------------ 5. the per-key reference check
 

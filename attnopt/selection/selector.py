@@ -60,6 +60,7 @@ seconds count as real ones.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -297,6 +298,26 @@ class Selector:
             self.entries.update(theirs)
         for site in list(self._sites):
             site.forget_choices()
+
+    def slower_in_use(self, spec: AttentionSpec, key: ShapeKey, device: torch.device, entry: TuningEntry,
+                      observed_ms: float, calls: int) -> TuningEntry:
+        """``entry`` marked provisional because the sites' sampled calls ran it clearly slower than its tuning
+        measured (another load, another setup than the tuning saw): it keeps serving this process, and the next
+        process or :func:`attnopt.tune` times the candidates again. Stored so (in memory and on disk)."""
+        recorded = entry.timings_ms.get(entry.choice, math.nan)
+        why = (f"in use it ran {observed_ms / recorded:.2g}x slower than when tuned (median {observed_ms:.3g} ms "
+               f"over {calls} sampled calls, against {recorded:.3g} ms): timed again by the next process or "
+               "attnopt.tune")
+        marked = dataclasses.replace(entry, provisional=True, decision=f"{entry.decision}; {why}")
+        log.info("%s: %s", key.describe(), why)
+        with self._lock:
+            if self.entries.get((spec, key)) is entry:
+                self.entries[(spec, key)] = marked
+        if self.cache is not None:
+            names, _ = self.legal(spec, device)
+            self.cache.store(self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget},
+                                            names, device), marked)
+        return marked
 
     def retime_provisional(self) -> int:
         """Forget this process's provisional choices, so their keys are timed again on their next call;
