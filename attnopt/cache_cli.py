@@ -63,12 +63,12 @@ def main(args: argparse.Namespace) -> int:
     lines = [_line(i, r) for i, r in enumerate(records, 1)]
     chosen = [r for r in chosen if (not args.match or args.match in lines[records.index(r)])
               and (not args.provisional or r.entry.provisional) and (not args.stale or _setup(r) != "this")]
-    if not chosen:
+    everything = not (args.entries or args.match or args.provisional or args.stale)
+    if not chosen and not (args.action == "clear" and everything and cache.unreadable()):
         print(f"no entry matched in {cache.directory}; nothing {'removed' if args.action == 'clear' else 'marked'}")
         return 0
     if args.action == "clear":
-        return _clear(cache, records, chosen, everything=not (args.entries or args.match or args.provisional
-                                                              or args.stale))
+        return _clear(cache, records, chosen, everything=everything)
     return _retune(cache, chosen)
 
 
@@ -80,7 +80,7 @@ def _summary(record: CacheRecord) -> str:
     fields = {f.name for f in dataclasses.fields(ShapeKey)}
     try:
         text = ShapeKey(**{k: v for k, v in shape.items() if k in fields}).describe()
-    except TypeError:  # written by something other than the selector: show it as it is
+    except Exception:  # noqa: BLE001 - written by something other than the selector: show it as it is
         return " ".join(f"{k}={v}" for k, v in sorted(shape.items()))
     budget = shape.get("budget")
     return text + (f", budget {budget / 2**20:.0f} MiB" if isinstance(budget, (int, float)) else "")
@@ -158,11 +158,16 @@ def _table(rows: list[list[Any]], headers: list[str]) -> str:
 
 def _list(cache: TuningCache, records: list[CacheRecord]) -> int:
     where = f"{cache.directory}" + ("" if cache.disk else " (ATTNOPT_CACHE is off: this process would not read it)")
+    bad = cache.unreadable()
+    note = (f"{bad} unreadable or left-over cache file(s) there (corrupt, edited by hand, another layout): "
+            "`attnopt cache clear` removes them") if bad else ""
     if not records:
-        print(f"no tuning entries in {where}")
+        print(f"no tuning entries in {where}" + (f"; {note}" if note else ""))
         return 0
     rows = [[i, r.id[:8], _summary(r), r.entry.choice, "provisional" if r.entry.provisional else "final",
              _age(r.entry), _setup(r)] for i, r in enumerate(records, 1)]
+    if note:
+        print(note)
     print(f"{len(records)} tuning entr{'y' if len(records) == 1 else 'ies'} in {where}")
     print(_table(rows, ["#", "id", "shape key", "chosen", "decision", "age", "setup"]))
     if any(row[-1] != "this" for row in rows):

@@ -154,3 +154,64 @@ def test_retune_with_the_disk_layer_off_refuses_instead_of_claiming_success(cach
     rc, out, err = _run(capsys, "retune", "1")
     assert rc == 2 and "ATTNOPT_CACHE is off" in err and "marked" not in out
     assert not TuningCache(cache.directory).records()[0].entry.provisional  # the file is unchanged
+
+
+@pytest.mark.parametrize("edit", ["nan", "environment", "shape", "dtype", "threads"])
+def test_hand_edited_files_are_unreadable_entries_that_list_names_and_clear_removes(cache, capsys, edit):
+    """A key edited by hand (a NaN, a part of the wrong type, or any field: the file's name is then not its key's)
+    is no entry: every action keeps working, ``list`` counts it, ``clear`` removes it and lookups tune again."""
+    path = sorted(cache.directory.glob("*.json"))[0]
+    record = json.loads(path.read_text())
+    key = record["key"]
+    if edit == "nan":
+        key["shape"]["budget"] = float("nan")
+    elif edit == "environment":
+        key["environment"] = "cpu"
+    elif edit == "shape":
+        key["shape"] = "B=1"
+    elif edit == "dtype":
+        key["shape"]["dtype"] = 32
+    else:
+        key["environment"]["threads"] = "999"
+    path.write_text(json.dumps(record))
+    for action in (["list"], ["show", "1"], ["retune", "1"]):
+        rc, out, err = _run(capsys, *action)
+        assert rc == 0 and "Traceback" not in out + err
+    rc, out, _ = _run(capsys, "list")
+    assert out.startswith("1 unreadable or left-over cache file(s)")
+    assert len(TuningCache(cache.directory).records()) == 1
+    rc, out, _ = _run(capsys, "clear")
+    assert rc == 0 and "and 1 unreadable or left-over cache file(s)" in out and not list(cache.directory.iterdir())
+
+
+def test_clear_removes_unreadable_files_when_no_entry_is_readable(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("ATTNOPT_CACHE", raising=False)
+    (tmp_path / ("0" * 64 + ".json")).write_text("{not json")
+    rc = main(["cache", "--dir", str(tmp_path), "clear"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "and 1 unreadable" in out and not list(tmp_path.iterdir())
+
+
+def test_a_clear_elsewhere_does_not_turn_off_a_writer(tmp_path, monkeypatch):
+    """``clear`` leaves young temporary files (another process's write in flight) alone, and a writer whose
+    temporary file vanished writes again instead of giving up on the directory."""
+    import os
+
+    monkeypatch.delenv("ATTNOPT_CACHE", raising=False)
+    writer = TuningCache(tmp_path)
+    key, _ = _key(writer, 64)
+    young = tmp_path / ".x.json.0123abcd.tmp"
+    young.write_text("{}")
+    assert TuningCache(tmp_path).clear() == 0 and young.exists()
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def vanish(src, dst):  # the first replace finds its temporary file gone (removed by a clear elsewhere)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            os.unlink(src)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", vanish)
+    writer.store(key, ENTRY)
+    assert writer._writable and TuningCache(tmp_path).lookup(key) is not None

@@ -53,6 +53,7 @@ import platform
 import re
 import sys
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -298,6 +299,13 @@ class CacheRecord:
         return self.path.stem
 
 
+def _older(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
 class TuningCache:
     """Tuning results keyed by environment, candidate set and shape, in memory and on disk.
 
@@ -384,20 +392,35 @@ class TuningCache:
         return True
 
     def clear(self) -> int:
-        """Forget every entry: the in-memory layer and this cache's files in the directory (how many)."""
+        """Forget every entry: the in-memory layer and this cache's files in the directory (how many). A
+        temporary file younger than a minute is another process's write in flight, and is left to it."""
         with self._lock:
             self._memory.clear()
         if not self.disk or not self.directory.is_dir():
             return 0
         removed = 0
         for path in self.directory.iterdir():
-            if _CACHE_FILE.fullmatch(path.name) or _TEMP_FILE.fullmatch(path.name):
+            if _CACHE_FILE.fullmatch(path.name) or _TEMP_FILE.fullmatch(path.name) and _older(path, 60.0):
                 try:
                     path.unlink()
                     removed += 1
                 except FileNotFoundError:  # removed by another process meanwhile
                     pass
         return removed
+
+    def unreadable(self) -> int:
+        """How many of this cache's files in the directory hold no readable entry (corrupt, edited by hand,
+        another layout), and left-over temporary files; ``clear`` removes them."""
+        if not self.directory.is_dir():
+            return 0
+        count = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for path in self.directory.iterdir():
+                if _CACHE_FILE.fullmatch(path.name) and self._load(path) is None \
+                        or _TEMP_FILE.fullmatch(path.name) and _older(path, 60.0):
+                    count += 1
+        return count
 
     def _read(self, path: Path, canonical: str) -> TuningEntry | None:
         found = self._load(path)
@@ -421,18 +444,24 @@ class TuningCache:
             fmt = record.get("format") if isinstance(record, dict) else None
             if fmt != FILE_FORMAT and fmt not in _PROVISIONAL_FORMATS:
                 return None  # another layout: a foreign file or another attnopt version
-            if not isinstance(record["key"], dict):
-                raise TypeError(f"the key is a {type(record['key']).__name__}, not a JSON object")
+            key = record["key"]
+            if not isinstance(key, dict):
+                raise TypeError(f"the key is a {type(key).__name__}, not a JSON object")
+            for part, kind in (("environment", dict), ("candidates", list), ("shape", dict)):
+                if not isinstance(key.get(part), kind):
+                    raise TypeError(f"the key's {part!r} is a {type(key.get(part)).__name__}, not a {kind.__name__}")
+            if path.name != self.path_for(key).name:  # (_canonical raises ValueError for NaN in a key)
+                return None  # another key under this name: written elsewhere, or edited by hand
             entry = TuningEntry.from_dict(record["entry"])
             if fmt != FILE_FORMAT:
                 entry = dataclasses.replace(entry, provisional=True, decision=_PROVISIONAL_FORMATS[fmt])
-            return record["key"], entry
+            return key, entry
         except (ValueError, TypeError, KeyError) as e:
             warnings.warn(f"attnopt: ignoring the corrupt tuning cache file {path} ({type(e).__name__}: {e}); "
                           "it is tuned again and overwritten", stacklevel=4)
             return None
 
-    def _write(self, path: Path, text: str) -> None:
+    def _write(self, path: Path, text: str, again: bool = True) -> None:
         temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,6 +471,8 @@ class TuningCache:
                 f.write(text)
             os.replace(temp, path)
         except OSError as e:
+            if isinstance(e, FileNotFoundError) and again and path.parent.is_dir():
+                return self._write(path, text, again=False)  # the temporary file was removed meanwhile (a clear)
             with contextlib.suppress(OSError):
                 temp.unlink()
             self._writable = False
