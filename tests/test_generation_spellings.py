@@ -275,3 +275,17 @@ def test_a_padding_token_outside_the_vocabulary_says_so():
     model = Interleaved().eval()
     with pytest.raises(ValueError, match=f"pad_token_id=500 is not a token of the model's vocabulary of {V}"):
         generate(model, torch.randint(0, V, (2, 3)), 4, eos_token_id=3, pad_token_id=500)
+
+
+def test_max_len_from_the_text_config_of_a_composite_config():
+    """Gemma 3's causal LM holds a composite config; its text config has the number of positions."""
+    import types
+
+    from attnopt.passes.kv_capture import config_max
+
+    model = nn.Module()
+    text = types.SimpleNamespace(max_position_embeddings=12)
+    model.config = types.SimpleNamespace(get_text_config=lambda: text)
+    assert config_max(model) == 12
+    model.config = types.SimpleNamespace(max_position_embeddings=20, get_text_config=lambda: text)
+    assert config_max(model) == 20  # its own first

@@ -342,10 +342,13 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
 
 def config_max(model: nn.Module) -> int | None:
     config = getattr(model, "config", getattr(model, "cfg", None))
-    for name in _CONFIG_MAX:
-        value = getattr(config, name, None) if config is not None else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+    # a composite config (Gemma 3's) holds the text model's sizes in its text config
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    for c in (config, text):
+        for name in _CONFIG_MAX:
+            value = getattr(c, name, None) if c is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
 
 
