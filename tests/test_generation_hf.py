@@ -91,7 +91,8 @@ def _family(name: str):
     """Families whose spellings the position proof learnt from (``tests/test_generation_spellings.py`` has each
     small): OPT counts positions from ones, GPT-J interleaves rotary tables with ``repeat_interleave``, Falcon
     picks its key and value heads by a fixed index, GPT-Neo fills with ``torch.tensor(finfo.min)`` and has a
-    local layer, XGLM folds heads into the batch, floors its scores and checks ``2 + T <= n``."""
+    local layer, XGLM folds heads into the batch, floors its scores and checks ``2 + T <= n``, Gemma 2 soft-caps
+    its scores."""
     t = transformers
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, attn_implementation="eager")
@@ -107,6 +108,10 @@ def _family(name: str):
         return t.GPTNeoForCausalLM(t.GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4, window_size=4,
                                                   attention_types=[[["global", "local"], 1]],
                                                   max_position_embeddings=32, **common))
+    if name == "gemma2":  # a soft-cap 50*tanh(s/50) on the scores, sliding-window layers
+        return t.Gemma2ForCausalLM(t.Gemma2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                                  max_position_embeddings=32, sliding_window=4, **common))
     return t.XGLMForCausalLM(t.XGLMConfig(num_layers=2, d_model=32, attention_heads=4, ffn_dim=64,
                                           max_position_embeddings=32, **common))
 
@@ -130,7 +135,7 @@ def test_a_fused_attn_implementation_is_refused_saying_what_to_do():
         cached(transformers.LlamaForCausalLM(cfg).eval())
 
 
-@pytest.mark.parametrize("name", ["opt", "gptj", "falcon", "gpt_neo", "xglm"])
+@pytest.mark.parametrize("name", ["opt", "gptj", "falcon", "gpt_neo", "xglm", "gemma2"])
 def test_more_families_equal_the_plain_loop_batched_and_ragged(name):
     model = _family(name).eval()
     c = cached(model)

@@ -289,3 +289,37 @@ def test_max_len_from_the_text_config_of_a_composite_config():
     assert config_max(model) == 12
     model.config = types.SimpleNamespace(max_position_embeddings=20, get_text_config=lambda: text)
     assert config_max(model) == 20  # its own first
+
+
+class SoftCapped(Base):
+    """Gemma 2's soft-cap on the scores, ``30 * tanh(s / 30)``: elementwise, so the cache applies it as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.wpe = nn.Embedding(24, C)
+
+    def attend(self, q, k, v):
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(D) * 40.0  # large scores: the cap changes them
+        att = torch.tanh(att / 30.0) * 30.0
+        att = att.masked_fill(~self.bias[:T, :T], float("-inf")).softmax(-1)
+        return att @ v
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+@pytest.mark.parametrize("variant", ["sdpa", "tiled128"])
+def test_a_soft_capped_score_is_cached_with_its_cap(variant):
+    """SDPA cannot apply the cap: a fixed ``sdpa`` gives way to ``math``; a candidate that can keeps it."""
+    model = SoftCapped().eval()
+    lm = cached(model, variant=variant)
+    assert all(s.score_mod is not None for s in lm.sites) and "tanh" in lm.describe()
+    assert all(s.candidate == ("math" if variant == "sdpa" else variant) for s in lm.sites)
+    idx = torch.randint(0, V, (2, 5))
+    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
+    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
+    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))

@@ -45,8 +45,6 @@ def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None
         return f"is not proven to be causal self-attention ({mask})"
     if spec.dropout_mode == "on":
         return "has active dropout (call model.eval() before generating)"
-    if spec.score_mod is not None:
-        return f"modifies its scores ({spec.score_mod})"
     if spec.conditions:
         return ("is causal only while a mask term computed at run time (e.g. a padding mask) hides no key, "
                 "which the cache cannot check")

@@ -373,7 +373,12 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
             continue
         old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
         q, k, v, _mask, scale = node.args[:5]
-        site = KVCacheAttention(old.site_name, old.spec, 1, old.where, candidate=variant, selector=selector)
+        # an elementwise score modifier (Gemma 2's soft-cap ``50*tanh(s/50)``) reads no position: the cache applies it
+        # to the cached scores as written; a fixed candidate that cannot apply it (SDPA) gives way to ``math``
+        fixed = variant if old.score_mod is None or variant == AUTO or get_candidate(variant).supports(old.spec) \
+            is None else "math"
+        site = KVCacheAttention(old.site_name, old.spec, 1, old.where, candidate=fixed, selector=selector)
+        site.score_mod = old.score_mod
         site.window = windows.get(old.site_name, site.window)
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)

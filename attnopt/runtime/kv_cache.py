@@ -88,6 +88,7 @@ class KVCacheAttention(DispatchingSite):
         self.bytes_per_token: int | None = None  # K and V bytes per position of one sequence (set by cached())
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.score_mod: Any = None  # an elementwise score modifier (``spec.ElementwiseScoreMod``): reads no index
 
     @property
     def capacity(self) -> int:
@@ -124,6 +125,8 @@ class KVCacheAttention(DispatchingSite):
         if mask is not None:
             mask = mask.reshape((1,) * max(0, 4 - mask.dim()) + mask.shape)
         kwargs = dict(kwargs, attn_mask=mask, is_causal=causal)
+        if self.score_mod is not None:
+            kwargs["score_mod"] = self.score_mod
         # the site's range, only while a profiler records or a graph is traced by make_fx. Dynamo (``cached(...,
         # compile=True)``) drops such a range with a warning, and is asked first: it cannot trace the profiler
         # query, and a graph break there would split the compiled step at every site.
