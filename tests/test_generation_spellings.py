@@ -323,3 +323,117 @@ def test_a_soft_capped_score_is_cached_with_its_cap(variant):
     assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
     prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
     assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+
+
+class InPlace(Base):
+    """Writes in place through a view: the tensor viewed is read through its own node, which the write's node
+    does not reach, so the proof must not miss what the write adds (an OPT-style count made of a tensor of
+    ones masked in place; a cumsum over time added into a clone through a view)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.wpe = nn.Embedding(26, C)
+        gate = torch.zeros(24)
+        gate[4:] = 1.0  # zero for the lengths the small-size probe compares: only the proof can see it
+        self.register_buffer("gate", gate)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        if self.how == "masked-ones":
+            m = torch.ones(B, T, dtype=torch.long, device=idx.device)
+            m[:, :] *= (idx != 0).long()  # no longer ones everywhere
+            x = self.wte(idx) + self.wpe(m.cumsum(1) * m)
+        else:
+            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+            y = x.clone()
+            y.view(B, T, C).add_(x.cumsum(1) * self.gate[:T, None])
+            x = y
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+@pytest.mark.parametrize("how, why", [
+    ("masked-ones", r"aten.copy_ at test_generation_spellings.py:\d+ is not known to act on each position"),
+    ("added-through-a-view", r"aten.cumsum at test_generation_spellings.py:\d+ works along the sequence axis"),
+])
+def test_writes_in_place_through_a_view_are_not_missed(how, why):
+    with pytest.raises(PositionError, match=why):
+        cached(InPlace(how).eval())
+
+
+class RaisesShort(Base):
+    def forward(self, idx):
+        B, T = idx.shape
+        if 12 // (T - 1) > 2:  # the model as written cannot run on one token
+            idx = idx * 1
+        x = self.wte(idx)
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+def test_a_model_that_raises_at_a_probed_size_is_refused_saying_so():
+    model = RaisesShort()
+    model.config = type("Config", (), {"max_position_embeddings": 24})()
+    with pytest.raises(PositionError, match="as written raises ZeroDivisionError.* on 1 token"):
+        cached(model.eval())
+
+
+class BatchAndLength(Base):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        if (self.how == "batch" and B == 3 and T > 1) or (self.how == "length" and T == 7 and B > 1):
+            x = x * 2
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+@pytest.mark.parametrize("how, where", [("batch", "2 token.* at batch 3"), ("length", "7 token.* at batch 2")])
+def test_an_excluded_size_is_compared_at_two_values_of_the_other(how, where):
+    with pytest.raises(PositionError, match=f"differs from the model as written on a prompt of {where}"):
+        cached(BatchAndLength(how).eval())
+
+
+SCALE = 1.0
+
+
+def _scaled(x):
+    return x * SCALE
+
+
+class Parent(Base):
+    def forward(self, idx):
+        x = self.wte(idx) * SCALE
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
+
+
+class Child(Parent):
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.act = _scaled
+
+    def forward(self, idx):
+        out = super().forward(idx)
+        return self.act(out) if self.how == "function" else out
+
+
+@pytest.mark.parametrize("how", ["super", "function"])
+def test_globals_read_by_a_base_forward_or_a_held_function_are_watched(how, monkeypatch):
+    from attnopt.generation import ModelChangedError
+
+    model = Child(how).eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (1, 3))
+    lm.prefill(idx)
+    monkeypatch.setitem(globals(), "SCALE", -2.0)
+    with pytest.raises(ModelChangedError, match="SCALE"):
+        lm.step(idx[:, :1])
+    assert torch.equal(generate(model, idx, 4), generate_plain(model, idx, 4))

@@ -168,7 +168,13 @@ def _length_condition(text: str, tokens: str) -> Callable[[int], bool] | None:
         return None
     if set(code.co_names) - {"T", *_ARITHMETIC}:
         return None
-    return lambda T: bool(eval(code, {"__builtins__": {}}, {**_ARITHMETIC, "T": T}))  # noqa: S307 - export's code
+    def holds(T: int) -> bool:
+        try:
+            return bool(eval(code, {"__builtins__": {}}, {**_ARITHMETIC, "T": T}))  # noqa: S307 - export's code
+        except (ArithmeticError, ValueError, TypeError):  # ``12 // (T - 1)`` at T = 1: not the traced path there
+            return False
+
+    return holds
 
 
 def _length_bound(model: nn.Module, text: str, holds: Callable[[int], bool]) -> tuple[list[int], tuple[str, int]]:

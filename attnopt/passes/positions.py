@@ -56,7 +56,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from ..spec import PositionError, Refusal
-from .canon import meta_value, shape_of
+from .canon import meta_value, mutated, shape_of
 from .find_sites import place_of
 from .masks import same
 
@@ -200,7 +200,12 @@ class _Analysis:
         for node in self.gm.graph.nodes:
             if node in self.kinds:
                 continue
-            self.kinds[node] = self.visit(node)
+            self.kinds[node] = kind = self.visit(node)
+            if isinstance(kind, Refused) and _writes_in_place(node):
+                # a write is read through the tensor it writes, not through its own node (often unused):
+                # a refused value written in place reaches the output unseen, so it refuses the graph here
+                note = self.notes.get(kind.node)
+                raise PositionError(f"{describe(kind.node)} {kind.reason}" + (f"; {note}" if note else ""))
         self.plan.kinds = {n: k for n, k in self.kinds.items() if isinstance(k, str)}
         return self.plan
 
@@ -282,6 +287,11 @@ class _Analysis:
         packet = target.overloadpacket
         if packet in _METADATA:
             return SHAPE  # sizes and checks on them, never tensor values
+        written = _written_view(node)
+        if written is not None:
+            # the tensor it views is read elsewhere through its own node, which this write does not reach
+            raise _Refuse(f"writes in place into a view of another tensor (`{written.name}`), which the position "
+                          "proof does not follow")
         rule = _pointwise if torch.Tag.pointwise in target.tags else _RULES.get(packet)
         if packet not in _RESHAPES and any(i in self.folds for i in inputs):
             rule = _folded  # batch and time folded into one axis: only row-wise ops
@@ -302,6 +312,24 @@ class _Analysis:
     def strongest(self, xs: Any) -> str:
         kinds = [self.kind(x) for x in _flat(xs) if isinstance(x, fx.Node) and self.kind(x) != SHAPE]
         return max(kinds, key=_ORDER.__getitem__, default=CONST)
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and node.target._schema.is_mutable
+
+
+def _written_view(node: fx.Node) -> fx.Node | None:
+    """The argument an in-place ATen op writes when it is a view of another tensor (``x[:, :].mul_(m)``)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    if not schema.is_mutable:
+        return None
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
+                and value.op == "call_function" and isinstance(value.target, torch._ops.OpOverload) \
+                and any(r.alias_info is not None for r in value.target._schema.returns):
+            return value
+    return None
 
 
 def _is_inactive_dropout(node: fx.Node) -> bool:
@@ -386,10 +414,13 @@ _KEEPS_ONES = {aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.co
 
 def _all_ones(x: Any) -> bool:
     """``x`` is made by ``ones`` (or ``full(..., 1)``) and only cast or copied since: every value is 1."""
+    chain = []
     while isinstance(x, fx.Node) and x.op == "call_function" and x.target in _KEEPS_ONES:
+        chain.append(x)
         x = x.args[0]
-    if not isinstance(x, fx.Node) or x.op != "call_function":
-        return False
+    chain.append(x)
+    if not isinstance(x, fx.Node) or x.op != "call_function" or any(mutated(n) for n in chain):
+        return False  # written in place (through a view: ``m[:, :] *= keep``) after it was made
     if x.target in _ONES:
         return True
     if x.target in _FULLS:

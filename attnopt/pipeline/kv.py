@@ -148,7 +148,8 @@ def compare_small_sizes(lm: CachedLM, model: nn.Module, excluded: list[tuple[int
     at length 1, or at a size it excluded (``size != n``: ``passes.kv_capture.shape_guards``). Those are the
     sizes compared: a prompt of one token at batch 1 and its next two steps, a prompt of two tokens at batch
     1, one token at batch 2, a ragged batch of prompts of one and two tokens (when the model serves ragged
-    batches), and each excluded size. A length excluded beyond ``_PROBE_LIMIT`` positions (and within
+    batches), and each excluded size at two values of the other size (a length at batch 1 and 2; a batch with a
+    prompt of 1 token, and of 2 tokens and a step). A length excluded beyond ``_PROBE_LIMIT`` positions (and within
     ``max_len``) is refused: pass a ``max_len`` below it. The caches are left empty.
     """
     param = next(iter(model.parameters()), None)
@@ -161,17 +162,23 @@ def compare_small_sizes(lm: CachedLM, model: nn.Module, excluded: list[tuple[int
                 raise PositionError(f"{type(model).__name__}.forward takes another path at a length of {n} "
                                     f"(torch.export excluded it), which attnopt does not run at capture; pass "
                                     f"max_len={n - 1} or less")
-            cases.append((1, n, 0))
+            cases += [(1, n, 0), (2, n, 0)]  # a branch may read the batch too (``T == 7 and B > 1``)
         elif dim == 0 and n > 2:
-            cases.append((n, 1, 0))
+            cases += [(n, 1, 0), (n, 2, 1)]  # ... or the length (``B == 3 and T > 1``)
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for site in lm.sites:  # the reference computation: the probe compares paths, not kernels (tunes nothing)
             stack.enter_context(site.running("math"))
-        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        vocab = min(logits_of(model(ids, **forward_kwargs(model, ids))).size(-1), 1000)
-
         def written(x: torch.Tensor) -> torch.Tensor:
-            return logits_of(model(x, **forward_kwargs(model, x)))
+            try:
+                return logits_of(model(x, **forward_kwargs(model, x)))
+            except Exception as e:  # the model as written cannot run there: nothing to compare the cache with
+                lm.reset()
+                raise PositionError(f"{type(model).__name__} as written raises {type(e).__name__}: {e} on "
+                                    f"{x.size(1)} token(s) at batch {x.size(0)}, a size cached() compares the "
+                                    "cached model with it at; the cache would serve that size anyway, so it is "
+                                    "not built") from e
+
+        vocab = min(written(torch.zeros(1, 1, dtype=torch.long, device=device)).size(-1), 1000)
 
         def agree(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
             if got.shape != want.shape or not _close(got, want):

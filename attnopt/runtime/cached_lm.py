@@ -168,8 +168,8 @@ def _holds_fields(value: Any) -> bool:
 def _user_methods(cls: type) -> list[Any]:
     """``forward`` of ``cls`` and the methods of the user's classes it reaches by name (``self.post(x)``; static
     and class methods, properties), not torch's."""
-    found: dict[str, Any] = {}
-    for klass in reversed(cls.__mro__):
+    found: dict[str, list[Any]] = {}  # every class's definition of a name: ``super().forward()`` reaches the base's
+    for klass in cls.__mro__:
         if (klass.__module__ or "").startswith(("torch", "builtins")):
             continue
         for name, value in vars(klass).items():
@@ -178,11 +178,11 @@ def _user_methods(cls: type) -> list[Any]:
             elif isinstance(value, property):
                 value = value.fget
             if isinstance(value, types.FunctionType):
-                found[name] = value
-    out, todo, seen = [], ["forward"], set()
+                found.setdefault(name, []).append(value)
+    out, todo, seen = [], list(found.get("forward", ())), set()
     while todo:
-        fn = found.get(todo.pop())
-        if fn is None or id(fn) in seen:
+        fn = todo.pop()
+        if id(fn) in seen:
             continue
         seen.add(id(fn))
         out.append(fn)
@@ -190,7 +190,7 @@ def _user_methods(cls: type) -> list[Any]:
         while codes:
             c = codes.pop()
             codes.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
-            todo.extend(n for n in c.co_names if n in found)
+            todo.extend(f for n in c.co_names for f in found.get(n, ()))
     return out
 
 
@@ -321,6 +321,13 @@ class _Attrs:
                 elif module and isinstance(value, _FUNCTIONS):  # ``self.act = F.gelu``, called by forward
                     snap[key] = ("value", (type(value), id(value)), value)
                     same.append((d, name, value))
+                    for g, gname, gvalue in _global_reads(value):  # the globals a function of the user's reads
+                        gkey = f"global `{gname}` of {g.get('__name__', '?')}"
+                        if gkey not in snap and not _mutable(gvalue):
+                            snap[gkey] = ("value", ("tensor", id(gvalue)) if isinstance(gvalue, torch.Tensor)
+                                          else _plain(gvalue) if _plain(gvalue) is not _MISSING else id(gvalue),
+                                          _shown(gvalue))
+                            same.append((g, gname, gvalue))
                 elif module and _holds_fields(value):
                     # a config or plain object: its fields, one level down; the object itself pinned, so one put
                     # in its place (``dataclasses.replace``) has its fields compared
