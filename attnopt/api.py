@@ -149,6 +149,12 @@ def _reoptimize(model: nn.Module, options: dict[str, Any]) -> nn.Module:
 def _variant_from_env(variant: str) -> str:
     env = variant_override()
     if env and env != variant:
+        from .config import accepted_variants
+
+        accepted = accepted_variants()
+        if env not in accepted:
+            raise ValueError(f"the environment variable ATTNOPT_VARIANT={env!r} names no variant; accepted values: "
+                             f"{', '.join(map(repr, accepted))} (names are lowercase), or unset it")
         log.info("ATTNOPT_VARIANT=%s overrides variant=%r", env, variant)
         return env
     return variant
