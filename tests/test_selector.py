@@ -644,3 +644,16 @@ def test_a_choice_as_fast_in_use_as_tuned_stays_final(tmp_path, monkeypatch):
     (entry,) = site.tuning.values()
     assert not entry.provisional and len(site.observed[next(iter(site.tuning))]) >= dispatch._SAMPLES
     assert not sel.cache.records()[0].entry.provisional
+
+
+def test_explain_lists_rivals_by_their_ratio_to_the_choice_not_their_median():
+    """A candidate pruned in quiet early rounds keeps a low median; its paired ratio says it is slower."""
+    from attnopt.selection.cache import TuningEntry
+    from attnopt.selection.selector import format_timings
+
+    entry = TuningEntry("sdpa_flash", {"sdpa_flash": 2.18, "sdpa_math": 1.5, "sdpa": 2.5},
+                        ratios={"sdpa_math": (1.32, 1.02, 2.06), "sdpa": (1.1, 1.0, 1.2)},
+                        pruned={"sdpa_math": "slower"}, spread_ms={"sdpa_flash": (2.0, 2.3)},
+                        rounds={"sdpa_flash": 20})
+    text = format_timings(entry)
+    assert text.index("sdpa_flash 2.18 ms*") < text.index("sdpa 2.5 ms") < text.index("sdpa_math 1.5 ms"), text

@@ -601,12 +601,20 @@ def format_timings(entry: TuningEntry, limit: int = 8) -> str:
         sdpa 0.293 ms* (IQR 0.278-0.376, 24 rounds, 0.105 MiB), sdpa_flash 0.319 ms (x1.08 [1.02, 1.1], pruned),
         math 0.761 ms (x1.91 [1.67, 2.22], pruned), tiled64: raised RuntimeError: ...
 
-    ``*`` marks the choice, with the interquartile range of its times; each rival shows its per-round
-    ratio to the choice with the interval, and whether it was pruned (clearly slower, no longer
-    timed); peak memory follows in MiB where it was measured.
+    ``*`` marks the choice, listed first, with the interquartile range of its times; each rival follows in
+    the order of its per-round ratio to the choice (paired rounds: load that changes while tuning moves both
+    alike, where the median of a candidate pruned in quiet early rounds looks faster than it is), with the
+    interval, and whether it was pruned (clearly slower, no longer timed); peak memory follows in MiB where it
+    was measured.
     """
     parts = []
-    for name, ms in sorted(entry.timings_ms.items(), key=lambda kv: kv[1])[:limit]:
+
+    def order(kv: tuple[str, float]) -> tuple[int, float, float]:
+        name, ms = kv
+        return (0 if name == entry.choice else 1 if name in entry.ratios else 2,
+                entry.ratios[name][0] if name in entry.ratios else 0.0, ms)
+
+    for name, ms in sorted(entry.timings_ms.items(), key=order)[:limit]:
         if not math.isfinite(ms):
             continue
         notes = []
