@@ -437,3 +437,38 @@ def test_globals_read_by_a_base_forward_or_a_held_function_are_watched(how, monk
     with pytest.raises(ModelChangedError, match="SCALE"):
         lm.step(idx[:, :1])
     assert torch.equal(generate(model, idx, 4), generate_plain(model, idx, 4))
+
+
+class Assembled(Base):
+    """DeepSeek's and MiniCPM3's keys put together in a tensor made empty in forward: ``k = q.new_empty(...)``,
+    ``k[..., :a].copy_(x)``, ``k[..., a:].copy_(y)``. ``shift=True`` writes each position one step later (a
+    slice of the time axis), which mixes positions."""
+
+    def __init__(self, shift: bool = False):
+        super().__init__()
+        self.shift = shift
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = self.heads(x)
+        keys = k.new_empty(B, H, T, D) if not self.shift else k.new_zeros(B, H, T, D)
+        if self.shift:
+            keys[:, :, 1:].copy_(k[:, :, :-1])
+        else:
+            keys[..., : D // 2].copy_(k[..., : D // 2] * 2)
+            keys[..., D // 2:].copy_(k[..., D // 2:])
+        return self.head(x + self.merge(self.attend(q, keys, v)))
+
+
+def test_slices_written_into_a_fresh_tensor_are_followed():
+    model = Assembled().eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (2, 5))
+    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
+    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
+    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+    with pytest.raises(PositionError, match=r"aten.slice at test_generation_spellings.py:\d+ slices the sequence "
+                                            r"axis"):  # the slice written into, reached through the write
+        cached(Assembled(shift=True).eval())

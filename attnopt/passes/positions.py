@@ -289,6 +289,9 @@ class _Analysis:
             return SHAPE  # sizes and checks on them, never tensor values
         written = _written_view(node)
         if written is not None:
+            fresh = self.filled_slice(node, written)
+            if fresh is not None:
+                return fresh
             # the tensor it views is read elsewhere through its own node, which this write does not reach
             raise _Refuse(f"writes in place into a view of another tensor (`{written.name}`), which the position "
                           "proof does not follow")
@@ -309,9 +312,39 @@ class _Analysis:
             raise _Refuse(f"reads a {weakest}-valued operand that attnopt's rule for it does not follow")
         return kind
 
+    def filled_slice(self, node: fx.Node, view: fx.Node) -> str | None:
+        """``out[..., :a].copy_(x)`` into a tensor made empty in forward (``new_empty``, ``zeros``: DeepSeek's and
+        MiniCPM3's keys put together from two parts): the slices cut other axes than time, so ``x``'s time slice
+        ``i`` lands in ``out``'s time slice ``i``, and ``out`` (read through its own node after the writes) takes
+        the strongest kind written into it. The kind of the copy, or None for any other write into a view."""
+        if node.target is not aten.copy_.default or len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+            return None
+        src, base = node.args[1], view
+        while base.op == "call_function" and base.target is aten.slice.Tensor:
+            kw = normalize_function(base.target, base.args, base.kwargs, normalize_to_only_use_kwargs=True)
+            x = kw.kwargs["input"] if kw is not None else None
+            if not isinstance(x, fx.Node) or _dim(kw.kwargs.get("dim", 0), len(shape_of(x) or ())) in self.axes(x):
+                return None  # a slice of the time axis: positions move
+            base = x
+        if base is view or base.op != "call_function" or base.target not in _FRESH or mutated(src) \
+                or src in self.folds or base in self.folds or self.stretched(src):
+            return None
+        out, rank = self.axes(view), len(shape_of(view) or ())
+        shift = rank - len(shape_of(src) or ())
+        if self.axes(view) != self.axes(base) or any(i + shift not in out for i in self.axes(src)):
+            return None  # the written value's time axis must land on the view's, and the view's on the tensor's
+        kind = max((self.kind(base), self.kind(src)), key=_ORDER.__getitem__)
+        self.kinds[base] = kind  # its readers (after this write) read what was written
+        return kind
+
     def strongest(self, xs: Any) -> str:
         kinds = [self.kind(x) for x in _flat(xs) if isinstance(x, fx.Node) and self.kind(x) != SHAPE]
         return max(kinds, key=_ORDER.__getitem__, default=CONST)
+
+
+#: Tensors made in forward whose values only later writes give: slices written into them are followed.
+_FRESH = {aten.empty.memory_format, aten.new_empty.default, aten.zeros.default, aten.new_zeros.default,
+          aten.empty_like.default, aten.zeros_like.default}
 
 
 def _writes_in_place(node: fx.Node) -> bool:
