@@ -472,3 +472,23 @@ def test_slices_written_into_a_fresh_tensor_are_followed():
     with pytest.raises(PositionError, match=r"aten.slice at test_generation_spellings.py:\d+ slices the sequence "
                                             r"axis"):  # the slice written into, reached through the write
         cached(Assembled(shift=True).eval())
+
+
+class ViewedBeforeWritten(Assembled):
+    """A view of the fresh tensor taken before the writes and read after them reads the written tokens: it
+    is not followed (the view's kind was set before the writes), so the model is refused."""
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = self.heads(x)
+        keys = k.new_zeros(B, H, T, D)
+        early = keys.view(B, H, T, D)
+        keys[..., : D // 2].copy_(k[..., : D // 2])
+        keys[..., D // 2:].copy_(k[..., D // 2:])
+        return self.head(x + self.merge(self.attend(q, early, v)))
+
+
+def test_a_view_taken_before_the_writes_is_not_followed():
+    with pytest.raises(PositionError, match="writes in place into a view"):
+        cached(ViewedBeforeWritten().eval())

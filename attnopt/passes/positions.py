@@ -329,6 +329,11 @@ class _Analysis:
         if base is view or base.op != "call_function" or base.target not in _FRESH or mutated(src) \
                 or src in self.folds or base in self.folds or self.stretched(src):
             return None
+        # a view of it taken before this write and read after would read the write under its old kind: every
+        # earlier user must be a slice only written into (the write chains themselves)
+        order = self._order()
+        if any(order[u] < order[node] and not _only_written(u) for u in base.users):
+            return None
         out, rank = self.axes(view), len(shape_of(view) or ())
         shift = rank - len(shape_of(src) or ())
         if self.axes(view) != self.axes(base) or any(i + shift not in out for i in self.axes(src)):
@@ -336,6 +341,11 @@ class _Analysis:
         kind = max((self.kind(base), self.kind(src)), key=_ORDER.__getitem__)
         self.kinds[base] = kind  # its readers (after this write) read what was written
         return kind
+
+    def _order(self) -> dict[fx.Node, int]:
+        if not hasattr(self, "_positions_in_graph"):
+            self._positions_in_graph = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return self._positions_in_graph
 
     def strongest(self, xs: Any) -> str:
         kinds = [self.kind(x) for x in _flat(xs) if isinstance(x, fx.Node) and self.kind(x) != SHAPE]
@@ -345,6 +355,13 @@ class _Analysis:
 #: Tensors made in forward whose values only later writes give: slices written into them are followed.
 _FRESH = {aten.empty.memory_format, aten.new_empty.default, aten.zeros.default, aten.new_zeros.default,
           aten.empty_like.default, aten.zeros_like.default}
+
+
+def _only_written(node: fx.Node) -> bool:
+    """``node`` is a slice whose users (through further slices) only ``copy_`` into it."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor:
+        return False
+    return all(u.target is aten.copy_.default and u.args[0] is node or _only_written(u) for u in node.users)
 
 
 def _writes_in_place(node: fx.Node) -> bool:
