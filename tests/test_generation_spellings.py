@@ -492,3 +492,40 @@ class ViewedBeforeWritten(Assembled):
 def test_a_view_taken_before_the_writes_is_not_followed():
     with pytest.raises(PositionError, match="writes in place into a view"):
         cached(ViewedBeforeWritten().eval())
+
+
+class WrittenMask(Base):
+    """A key mask that depends on the tokens, written into a slice of a fresh tensor (``copy_``), or a table
+    written through ``out=`` into a view of a buffer and then summed over time: both mix positions where only
+    the writes show it (from position 4 on: beyond the lengths the small-size probe compares)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.wpe = nn.Embedding(24, C)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        q, k, v = self.heads(x)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+        att = att.masked_fill(~self.bias[:T, :T], float("-inf"))
+        if self.how == "mask":
+            keys = torch.zeros(B, T, 2, device=idx.device)
+            late = (torch.arange(T, device=idx.device) >= 4)[None, :]
+            keys[..., :1].copy_(((idx == 7).float() * late.float())[..., None])
+            att = att.masked_fill(keys[..., 0].bool()[:, None, None, :] & ~torch.eye(T, dtype=torch.bool),
+                                  float("-inf"))
+        y = self.merge(att.softmax(-1) @ v)
+        if self.how == "out":
+            buf = torch.zeros(24, C)
+            torch.mul(x[0].detach(), 1.0, out=buf[:T])
+            y = y + buf[4:].sum(0)
+        return self.head(x + y)
+
+
+@pytest.mark.parametrize("how, why", [("mask", "its mask depends on the token values"),
+                                      ("out", "aten.mul at .* writes in place into a view")])
+def test_what_is_written_into_a_mask_or_through_out_is_seen(how, why):
+    with pytest.raises(PositionError, match=why):
+        cached(WrittenMask(how).eval())

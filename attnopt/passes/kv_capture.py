@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from ..runtime.kv_cache import MaskCheck
 from ..spec import AttentionSpec
-from .canon import meta_value, shape_of, writes
+from .canon import may_alias, meta_value, shape_of, writes
 from .find_sites import Match
 from .masks import Add
 from .positions import PositionError, PositionPlan
@@ -412,6 +412,24 @@ def logits_of(out: Any) -> torch.Tensor:
                     "item is the logits, or an object with .logits")
 
 
+def _writers(node: fx.Node, depth: int = 8) -> list[fx.Node]:
+    """The nodes that write ``node``'s memory in place, directly or through a view or alias of it (``out=``
+    included): a value read through ``node`` depends on what they write too."""
+    found: list[fx.Node] = []
+    todo, seen = [(node, depth)], set()
+    while todo:
+        n, left = todo.pop()
+        if n in seen or left < 0:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if writes(user, n):
+                found.append(user)
+            if may_alias(user, n):
+                todo.append((user, left - 1))
+    return found
+
+
 def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, probe: int = 64) -> MaskCheck | str:
     """The check for ``m``'s mask terms (all of them together), or why they cannot be used.
 
@@ -440,6 +458,7 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, pro
                 and torch.Tag.nondeterministic_seeded in n.target.tags:
             return "its mask is random"
         pending.extend(n.all_input_nodes)
+        pending.extend(x for w in _writers(n) for x in w.all_input_nodes)  # what is written into it, or its views
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(gm.graph, env)

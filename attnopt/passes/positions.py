@@ -361,7 +361,9 @@ def _only_written(node: fx.Node) -> bool:
     """``node`` is a slice whose users (through further slices) only ``copy_`` into it."""
     if node.op != "call_function" or node.target is not aten.slice.Tensor:
         return False
-    return all(u.target is aten.copy_.default and u.args[0] is node or _only_written(u) for u in node.users)
+    # a copy_'s own result aliases what it wrote into: read later, it would read the write under an old kind
+    return all(u.target is aten.copy_.default and u.args[0] is node and not u.users or _only_written(u)
+               for u in node.users)
 
 
 def _writes_in_place(node: fx.Node) -> bool:
@@ -374,7 +376,9 @@ def _written_view(node: fx.Node) -> fx.Node | None:
     schema = node.target._schema  # type: ignore[union-attr]
     if not schema.is_mutable:
         return None
-    for arg, value in zip(schema.arguments, node.args):
+    given = [*zip(schema.arguments, node.args),
+             *((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)]  # ``out=`` included
+    for arg, value in given:
         if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
                 and value.op == "call_function" and isinstance(value.target, torch._ops.OpOverload) \
                 and any(r.alias_info is not None for r in value.target._schema.returns):
