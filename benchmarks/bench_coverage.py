@@ -54,6 +54,17 @@ from tabulate import tabulate
 import attnopt
 from attnopt.selection.measure import peak_memory, time_alternating
 
+
+def _scratch(prefix: str) -> str:
+    """A temporary directory removed when the process exits."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 SECTIONS = ("window", "softcap", "hf")
 FORCED = {"window": ("sdpa", "tiled128", "flex"), "softcap": ("flex", "tiled128", "math")}
 HF_MODELS = ("llama", "mistral", "gemma2")
@@ -365,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     # Several optimized copies of one module share forward's code object; dynamo's default limit of 8
     # entries per code object would silently run the rest as written.
     torch._dynamo.config.recompile_limit = 64
-    os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-coverage-")  # no stale choices
+    os.environ["ATTNOPT_CACHE_DIR"] = _scratch(prefix="attnopt-coverage-")  # no stale choices
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     res: dict[str, Any] = {}

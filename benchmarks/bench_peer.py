@@ -56,6 +56,17 @@ from tabulate import tabulate
 import attnopt
 from attnopt.kernels.reference import tolerance
 
+
+def _scratch(prefix: str) -> str:
+    """A temporary directory removed when the process exits."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 SEED = 1234
 
 
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python " + shlex.join(sys.argv if argv is None else [sys.argv[0], *argv])
     print(f"command: {command}", flush=True)
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("ATTNOPT_CACHE_DIR", tempfile.mkdtemp(prefix="attnopt-peer-"))
+    os.environ.setdefault("ATTNOPT_CACHE_DIR", _scratch(prefix="attnopt-peer-"))
     start = time.perf_counter()
     groups = {"cases": cases(), "refused": [] if args.no_refused else refused_cases()}
     res: dict[str, Any] = {}

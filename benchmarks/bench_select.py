@@ -60,6 +60,17 @@ from attnopt.selection.measure import peak_memory, time_alternating
 from attnopt.selection.selector import Call, Selector, shape_key
 from attnopt.spec import AttentionSpec
 
+
+def _scratch(prefix: str) -> str:
+    """A temporary directory removed when the process exits."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 MATERIALISING = {"math", "sdpa_math"}  # candidates that hold the (B, H, T, T) scores
 
 
@@ -210,7 +221,7 @@ def noisy(args: argparse.Namespace, argv: list[str] | None) -> int:
     for b in args.batch_sizes:
         for t in args.seq_lens:
             for i in range(args.trials):
-                cache_dir = tempfile.mkdtemp(prefix="attnopt-noisy-")
+                cache_dir = _scratch(prefix="attnopt-noisy-")
                 trials.append(noisy_trial(b, t, names, args, cache_dir))
                 r = trials[-1]
                 print(f"B={b} T={t} trial {i + 1}: {r['choice']}{' (provisional)' if r['provisional'] else ''} "
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     # One optimized copy of the block per candidate: every copy shares forward's code object, and
     # dynamo's default limit of 8 entries per code object would silently run the rest as written.
     torch._dynamo.config.recompile_limit = 64
-    os.environ["ATTNOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnopt-bench-")
+    os.environ["ATTNOPT_CACHE_DIR"] = _scratch(prefix="attnopt-bench-")
     torch.manual_seed(0)
     block = CausalSelfAttention(GPTConfig(n_embd=768, n_head=12, block_size=4096, dropout=0.0)).to(args.device).eval()
     names = legal_candidates(args.device)

@@ -77,6 +77,17 @@ from tabulate import tabulate
 
 import attnopt
 
+
+def _scratch(prefix: str) -> str:
+    """A temporary directory removed when the process exits."""
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 MODES = ("no_mask", "right_pad", "left_pad", "train")
 PADDING = {"no_mask": None, "right_pad": "right", "left_pad": "left"}
 #: what ran inside an ``attnopt::<site>`` range, by the first profiler event that names it
@@ -432,7 +443,7 @@ def sweep(types: list[str], args: argparse.Namespace, done: dict[str, dict[str, 
     ctx = mp.get_context("fork")
     todo = [t for t in types if t not in done]
     running: dict[str, tuple[Any, str, float]] = {}
-    tmp = tempfile.mkdtemp(prefix="attnopt-hf-rows-")
+    tmp = _scratch(prefix="attnopt-hf-rows-")
     while todo or running:
         while todo and len(running) < args.jobs:
             t = todo.pop(0)
@@ -631,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python " + shlex.join(sys.argv if argv is None else [sys.argv[0], *argv])
     print(f"command: {command}", flush=True)
-    os.environ.setdefault("ATTNOPT_CACHE_DIR", tempfile.mkdtemp(prefix="attnopt-hf-cache-"))
+    os.environ.setdefault("ATTNOPT_CACHE_DIR", _scratch(prefix="attnopt-hf-cache-"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs and weights are built here; nothing is downloaded
     import transformers
 
