@@ -314,10 +314,13 @@ class Selector:
             if self.entries.get((spec, key)) is entry:
                 self.entries[(spec, key)] = marked
         if self.cache is not None:
-            names, _ = self.legal(spec, device)
-            self.cache.store(self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget},
-                                            names, device), marked)
+            self.cache.store(self._cache_key(spec, key, self.legal(spec, device)[0], device), marked)
         return marked
+
+    def _cache_key(self, spec: AttentionSpec, key: ShapeKey, names: list[str], device: torch.device) -> dict:
+        """The tuning cache's key of ``key``'s entry: the shape key, the spec, the budget, the candidate set."""
+        assert self.cache is not None
+        return self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget}, names, device)
 
     def retime_provisional(self) -> int:
         """Forget this process's provisional choices, so their keys are timed again on their next call;
@@ -340,8 +343,7 @@ class Selector:
                          refused: Mapping[str, str]) -> TuningEntry:
         if self.cache is None:
             return self.tune(spec, key, call, names, refused)
-        cache_key = self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget},
-                                   names, call.q.device)
+        cache_key = self._cache_key(spec, key, names, call.q.device)
         entry = self.cache.lookup(cache_key)
         if entry is not None and entry.provisional:
             log.info("timing %s again: its cached choice %s is provisional (%s)", key.describe(), entry.choice,
