@@ -38,9 +38,16 @@ class Base(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.block_size = block_size
-        self.wte = nn.Embedding(V, C)
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(block_size, C)
         self.qkv, self.proj, self.head = nn.Linear(C, 3 * C), nn.Linear(C, C), nn.Linear(C, V)
         self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)))
+
+    def embed(self, idx):
+        return self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+
+    def block(self, x):
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(q, k, v)))
 
     def attend(self, q, k, v):
         T = q.size(-2)
@@ -87,7 +94,6 @@ class Tiled(Base):
     def __init__(self, along_time: bool = False):
         super().__init__()
         self.along_time = along_time
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
@@ -95,8 +101,7 @@ class Tiled(Base):
         x = self.wte(idx) + pe
         if self.along_time:
             x = x + x.repeat(1, 2, 1)[:, T:]  # the sequence tiled twice along time
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
 
 class PickedHeads(Base):
@@ -106,11 +111,10 @@ class PickedHeads(Base):
     def __init__(self):
         super().__init__()
         self.fused = nn.Linear(C, (H + 2) * D)
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         f = self.fused(x).view(B, T, H + 2, D)
         q, k, v = f[..., :-2, :], f[..., [-2], :], f[..., [-1], :]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2).expand(B, H, T, D), v.transpose(1, 2).expand(B, H, T, D)
@@ -131,8 +135,7 @@ class Counted(Base):
     def embed(self, idx, mask):
         pos = (torch.cumsum(mask, dim=1) * mask - 1).long()
         x = self.wte(idx) + self.wpe(pos + 2)
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
     def forward(self, idx):
         B, T = idx.shape
@@ -147,15 +150,12 @@ class FoldedHeads(Base):
     ``torch.tensor(finfo.min)`` in ``torch.where`` (GPT-Neo) and the scores floored at the minimum with
     ``torch.max(s, torch.tensor(finfo.min))``; and a length check ``if T + 2 > 34: raise``."""
 
-    def __init__(self):
-        super().__init__()
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
         if T + 2 > 34:
             raise ValueError("too long")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         q, k, v = (t.view(B, T, H, D).transpose(1, 2).reshape(B * H, T, D) for t in self.qkv(x).split(C, 2))
         s = torch.bmm(q, k.transpose(1, 2)).view(B, H, T, T) / math.sqrt(D)
         s = torch.where(self.bias[:T, :T], s, torch.tensor(torch.finfo(s.dtype).min))
@@ -222,19 +222,17 @@ class Branchy(Base):
     def __init__(self, how: str):
         super().__init__()
         self.how = how
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         if self.how == "seven" and T != 7:
             x = x * 1.0  # the same values either way: the probe at length 7 agrees
         if self.how == "seven-differs" and T != 7:
             x = x * 2.0
         if self.how == "thirds" and T % 3 == 0:
             x = x * 2.0
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
 
 def test_a_single_excluded_length_is_compared_and_many_are_refused():
@@ -252,13 +250,10 @@ class RowsFolded(Base):
     """Causal attention whose scores are viewed ``(B*H*T, T)`` around the softmax: a spelling the site finder
     leaves alone, so the cache cannot serve it; the refusal says which attention and why."""
 
-    def __init__(self):
-        super().__init__()
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         q, k, v = self.heads(x)
         att = ((q @ k.transpose(-2, -1)) / math.sqrt(D)).masked_fill(~self.bias[:T, :T], float("-inf"))
         att = att.reshape(B * H * T, T).softmax(-1).view(B, H, T, T)
@@ -294,9 +289,6 @@ def test_max_len_from_the_text_config_of_a_composite_config():
 class SoftCapped(Base):
     """Gemma 2's soft-cap on the scores, ``30 * tanh(s / 30)``: elementwise, so the cache applies it as written."""
 
-    def __init__(self):
-        super().__init__()
-        self.wpe = nn.Embedding(24, C)
 
     def attend(self, q, k, v):
         T = q.size(-2)
@@ -307,9 +299,8 @@ class SoftCapped(Base):
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        x = self.embed(idx)
+        return self.block(x)
 
 
 @pytest.mark.parametrize("variant", ["sdpa", "tiled128"])
@@ -345,12 +336,11 @@ class InPlace(Base):
             m[:, :] *= (idx != 0).long()  # no longer ones everywhere
             x = self.wte(idx) + self.wpe(m.cumsum(1) * m)
         else:
-            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+            x = self.embed(idx)
             y = x.clone()
             y.view(B, T, C).add_(x.cumsum(1) * self.gate[:T, None])
             x = y
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
 
 @pytest.mark.parametrize("how, why", [
@@ -368,8 +358,7 @@ class RaisesShort(Base):
         if 12 // (T - 1) > 2:  # the model as written cannot run on one token
             idx = idx * 1
         x = self.wte(idx)
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
 
 def test_a_model_that_raises_at_a_probed_size_is_refused_saying_so():
@@ -383,15 +372,13 @@ class BatchAndLength(Base):
     def __init__(self, how: str):
         super().__init__()
         self.how = how
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         if (self.how == "batch" and B == 3 and T > 1) or (self.how == "length" and T == 7 and B > 1):
             x = x * 2
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
 
 @pytest.mark.parametrize("how, where", [("batch", "2 token.* at batch 3"), ("length", "7 token.* at batch 2")])
@@ -410,8 +397,7 @@ def _scaled(x):
 class Parent(Base):
     def forward(self, idx):
         x = self.wte(idx) * SCALE
-        q, k, v = self.heads(x)
-        return self.head(x + self.merge(self.attend(q, k, v)))
+        return self.block(x)
 
 
 class Child(Parent):
@@ -447,11 +433,10 @@ class Assembled(Base):
     def __init__(self, shift: bool = False):
         super().__init__()
         self.shift = shift
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         q, k, v = self.heads(x)
         keys = k.new_empty(B, H, T, D) if not self.shift else k.new_zeros(B, H, T, D)
         if self.shift:
@@ -480,7 +465,7 @@ class ViewedBeforeWritten(Assembled):
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         q, k, v = self.heads(x)
         keys = k.new_zeros(B, H, T, D)
         early = keys.view(B, H, T, D)
@@ -502,11 +487,10 @@ class WrittenMask(Base):
     def __init__(self, how: str):
         super().__init__()
         self.how = how
-        self.wpe = nn.Embedding(24, C)
 
     def forward(self, idx):
         B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = self.embed(idx)
         q, k, v = self.heads(x)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(D)
         att = att.masked_fill(~self.bias[:T, :T], float("-inf"))
