@@ -163,6 +163,9 @@ class _Analysis:
         self.kinds: dict[fx.Node, str | Refused] = {tokens: TOKEN}
         #: token values whose time axis is folded with others into one axis: (axis, a, c), its size a * T * c
         self.folds: dict[fx.Node, tuple[int, sympy.Expr, sympy.Expr]] = {}
+        #: values of a mixture of experts' dispatch: rows in the order a sort chose, and what else it uses
+        self.sorted: dict[fx.Node, _Sorted] = {}
+        self.sort_info: dict[fx.Node, _SortInfo] = {}
 
     # -- per-node facts
     def axes(self, x: Any) -> tuple[int, ...]:
@@ -206,6 +209,8 @@ class _Analysis:
                 # a refused value written in place reaches the output unseen, so it refuses the graph here
                 note = self.notes.get(kind.node)
                 raise PositionError(f"{describe(kind.node)} {kind.reason}" + (f"; {note}" if note else ""))
+            if _writes_in_place(node):
+                self.written(node)
         self.plan.kinds = {n: k for n, k in self.kinds.items() if isinstance(k, str)}
         return self.plan
 
@@ -229,6 +234,8 @@ class _Analysis:
                 raise _Refuse("is not known to act on each position separately")
             if kind == CONST and isinstance(meta_value(node), torch.Tensor) and self.axes(node):
                 kind = POSITION  # a time axis is T rows, however they are filled: never free of the length
+            if node in self.sorted:
+                return kind  # rows of a dispatch: their own rules keep them apart from the positions
             if node not in self.folds and isinstance(meta_value(node), torch.Tensor) and self.stretched(node):
                 raise _Refuse("has an axis whose size is computed from the sequence length "
                               f"({list(shape_of(node) or [])}), which attnopt does not follow here")
@@ -272,6 +279,7 @@ class _Analysis:
             if all(self.kind(i) == SHAPE for i in inputs) and not isinstance(meta_value(node), torch.Tensor):
                 return SHAPE  # arithmetic on sizes: operator.mul(s0, 4), sym_float, ...
             if target is operator.getitem:
+                self.item(node)
                 return self.kind(node.args[0])
             raise _Refuse("is not known to act on each position separately")
         if "scaled_dot_product" in target.overloadpacket.__name__:
@@ -287,6 +295,9 @@ class _Analysis:
         packet = target.overloadpacket
         if packet in _METADATA:
             return SHAPE  # sizes and checks on them, never tensor values
+        if target is aten.squeeze.default and (self.axes(node.args[0]) or self.stretched(node.args[0])):
+            raise _Refuse("squeezes every axis of size 1 (no dim given): with one new token the sequence axis has "
+                          "size 1 and would go too; name the dims to squeeze (x.squeeze(-1))")
         written = _written_view(node)
         if written is not None:
             fresh = self.filled_slice(node, written)
@@ -298,6 +309,10 @@ class _Analysis:
         rule = _pointwise if torch.Tag.pointwise in target.tags else _RULES.get(packet)
         if packet not in _RESHAPES and any(i in self.folds for i in inputs):
             rule = _folded  # batch and time folded into one axis: only row-wise ops
+        if any(i in self.sorted for i in inputs):
+            if _is_grouped_mm(target):
+                return _dispatch_grouped(self, node, _DISPATCH_REFUSAL)
+            rule = _dispatch  # rows sorted by a key: only what the dispatch's own rules follow
         if rule is None:
             raise _Refuse("is not known to act on each position separately")
         kw = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
@@ -311,6 +326,49 @@ class _Analysis:
         if _ORDER[kind] < _ORDER[weakest]:
             raise _Refuse(f"reads a {weakest}-valued operand that attnopt's rule for it does not follow")
         return kind
+
+    def written(self, node: fx.Node) -> None:
+        """An in-place write is read through the tensor it writes: that tensor's later readers (in graph order,
+        which is the walk's) see what the write made of it, ``zeros_like(x).scatter_(1, idx, 1)`` a token value
+        (DeepSeek's group mask). A view of it taken before the write would be read under its old kind: refused."""
+        base = node.args[0] if node.args else None
+        if not isinstance(base, fx.Node) or not isinstance(self.kinds.get(base), str) \
+                or _written_view(node) is not None:
+            return  # writes into views: refused or followed by filled_slice
+        kind = self.kinds[node]
+        assert isinstance(kind, str)
+        before = (self.kinds[base], self.folds.get(base), self.sorted.get(base))
+        after = (max((before[0], kind), key=_ORDER.__getitem__), self.folds.get(node), self.sorted.get(node))
+        if before == after:
+            return
+        order = self._order()
+        if any(order[u] < order[node] and u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
+               and any(r.alias_info is not None for r in u.target._schema.returns) for u in base.users):
+            raise PositionError(f"{describe(node)} writes in place into a tensor that a view taken before it reads "
+                                "(`" + base.name + "`); the position proof does not follow such a view")
+        self.kinds[base] = after[0]
+        for facts, fact in ((self.folds, after[1]), (self.sorted, after[2])):
+            if fact is None:
+                facts.pop(base, None)  # type: ignore[attr-defined]
+            else:
+                facts[base] = fact  # type: ignore[index]
+
+    def item(self, node: fx.Node) -> None:
+        """``getitem`` of a tuple (``topk``, ``chunk``, ``sort``): each item keeps the fold or the dispatch role."""
+        src, i = node.args[0], node.args[1]
+        if src in self.folds and isinstance(meta_value(node), torch.Tensor):
+            self.folds[node] = self.folds[src]  # type: ignore[index]
+        r = self.sorted.get(src)  # type: ignore[arg-type]
+        if r is None:
+            return
+        if r.role == "sort":
+            self.sorted[node] = _Sorted(r.sort, "keys" if i == 0 else "index")
+        elif r.role == "sort_of_index":
+            if i != 1:
+                raise _Refuse("reads the sorted permutation of a mixture of experts' dispatch")
+            self.sorted[node] = _Sorted(r.sort, "inverse")
+        else:
+            self.sorted[node] = r
 
     def filled_slice(self, node: fx.Node, view: fx.Node) -> str | None:
         """``out[..., :a].copy_(x)`` into a tensor made empty in forward (``new_empty``, ``zeros``: DeepSeek's and
@@ -609,6 +667,15 @@ def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     x = kw.get("self", kw.get("input"))
     if x not in a.folds:
         raise refuse
+    if packet in (aten.sort, aten.argsort) and len(shape_of(x) or ()) == 1:
+        return _start_sort(a, node, kw)  # the rows ordered by a key: a mixture of experts' dispatch
+    if packet in (aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like):
+        # a fill shaped like folded rows: never a constant (its sum counts the rows), a value per position
+        a.no_length({k: v for k, v in kw.items() if k not in ("self", "input")})
+        a.folds[node] = a.folds[x]
+        return POSITION
+    if packet in _FOLDED_ALONG:
+        return _folded_along(a, node, kw, x, refuse)
     if packet in _SAME_ROWS and len(shape_of(node) or ()) == len(shape_of(x) or ()):
         a.no_length({k: v for k, v in kw.items() if k not in ("self", "input")})
     elif packet in (aten.layer_norm, aten.rms_norm) and a.folds[x][0] < nd - len(kw["normalized_shape"]):
@@ -618,6 +685,379 @@ def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     else:
         raise refuse
     a.folds[node] = a.folds[x]
+    return TOKEN
+
+
+#: ops on a folded tensor that act along other axes than the folded one, or only move axes: ``names`` are the
+#: arguments naming the dims they act along (``None``: they only move or add axes), ``default_all`` when no dim
+#: given means all of them (a full reduction, which the fold's axis refuses).
+_FOLDED_ALONG: dict[Any, tuple[tuple[str, ...] | None, bool]] = {
+    **{op: (None, False) for op in (aten.unsqueeze, aten.squeeze, aten.transpose, aten.permute, aten.t,
+                                    aten.expand, aten.movedim, aten.swapaxes)},
+    **{op: (("dim",), False) for op in (
+        aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.select, aten.narrow, aten.slice,
+        aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.topk, aten.sort, aten.argsort,
+        aten.cumsum, aten.cumprod, aten.logsumexp, aten.gather, aten.scatter, aten.scatter_)},
+    **{op: (("dim",), True) for op in (
+        aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.prod, aten.any, aten.all, aten.norm,
+        aten.linalg_vector_norm, aten.max, aten.min, aten.argmax, aten.argmin)},
+}
+
+
+def _folded_along(a: _Analysis, node: fx.Node, kw: dict[str, Any], x: fx.Node, refuse: _Refuse) -> str:
+    """Row-wise ops on a folded tensor (``(B*T, E)`` router logits): softmax, topk, sums and the like along the
+    other axes, and layout ops that move the folded axis without mixing its rows (Mixtral's router)."""
+    packet = node.target.overloadpacket  # type: ignore[union-attr]
+    names, default_all = _FOLDED_ALONG[packet]
+    i, fa, fc = a.folds[x]
+    nd = len(shape_of(x) or ())
+    if names is not None:
+        dims: list[Any] = []
+        for n in names:
+            d = kw.get(n)
+            dims.extend(d if isinstance(d, (list, tuple)) else [] if d is None else [d])
+        if not dims and default_all or any(_dim(d, nd) == i for d in dims):
+            raise _Refuse("works along the axis in which batch and sequence axes are folded into one (a reshape "
+                          "such as (B, T, C) -> (B*T, C)), so it mixes positions")
+    for name, v in kw.items():
+        if name in ("self", "input"):
+            continue
+        for t in _flat(v):
+            if isinstance(t, fx.Node) and a.kind(t) != SHAPE:
+                if packet in (aten.gather, aten.scatter, aten.scatter_) and name in ("index", "src") \
+                        and len(shape_of(t) or ()) == nd and a.folds.get(t) == (i, fa, fc):
+                    continue  # each row's own entries (``scores.gather(1, topk_idx)``, ``mask.scatter_(1, idx, 1)``)
+                raise refuse
+    a.no_length({k: v for k, v in kw.items() if k not in ("self", "input", "index", "src")
+                 and not (k == "size" and packet is aten.expand)})  # expand: its size is checked below
+    first = meta_value(node)
+    first = first[0] if isinstance(first, (list, tuple)) else first
+    size = sympy.sympify(_expr((shape_of(x) or ())[i]))
+    js = [j for j, d in enumerate(first.shape) if _involves(d, a.seq)]
+    if len(js) != 1 or not same(sympy.sympify(_expr(first.shape[js[0]])), size):
+        raise refuse
+    a.folds[node] = (js[0], fa, fc)
+    return a.strongest([x, kw.get("index"), kw.get("src")])
+
+
+# --------------------------------------------------------------- rows sorted by a key (mixture of experts)
+#
+# A mixture of experts' dispatch (Hugging Face's ``grouped_mm`` experts) sorts the (token, slot) pairs by
+# expert, runs one product per expert on contiguous rows and puts the rows back::
+#
+#     ids, perm = torch.sort(top_k_index.reshape(-1))          # perm: sorted row -> flat row
+#     x = hidden[perm // k]                                    # row r is the token of flat row perm[r]
+#     offs = torch.cumsum(torch.histc(ids.float(), E, 0, E - 1), 0)
+#     y = grouped_mm(x, W, offs) * weights.reshape(-1)[perm]   # rows offs[e-1]:offs[e] times W[e]
+#     inv = torch.empty_like(perm); inv[perm] = torch.arange(perm.size(0))
+#     out = y[inv].view(-1, k, C).sum(1)                       # back in token order
+#
+# The sort mixes rows, but row r of every sorted value is flat row ``perm[r]``: ops that act on each row alone
+# keep that, ``grouped_mm`` too when its offsets count the sort's own keys (ascending integers in ``[0, E)``,
+# so row r lies in group ``ids[r]`` and is multiplied by the weight of its own key), and indexing by the inverse
+# permutation gives each flat row its own result. So the whole dispatch acts on each row alone. Values of the
+# dispatch carry a :class:`_Sorted` role; any other use of them is refused.
+
+
+@dataclass(frozen=True)
+class _Sorted:
+    """How a value of a dispatch relates to the permutation ``perm`` that ``sort`` chose.
+
+    ``role``: ``"sort"`` (the sort's result tuple), ``"index"`` (``perm // div``), ``"rows"`` (row r is computed
+    from flat row ``perm[r]`` alone), ``"keys"`` (the sorted keys: rows, ascending), ``"counts"`` (a histogram
+    of the keys, ``bins`` long), ``"offsets"`` (its cumulative sum), ``"fresh"`` (a new tensor shaped like a
+    sorted value, to be written), ``"inverse"`` (``perm``'s inverse), ``"iota"`` (``arange(n)``, no sort).
+    """
+
+    sort: fx.Node | None
+    role: str
+    div: int = 1
+    bins: int = 0
+    n: Any = None  # iota: its length
+
+
+@dataclass(frozen=True)
+class _SortInfo:
+    fold: tuple[int, sympy.Expr, sympy.Expr]  # the sorted 1-D tensor's fold: its rows are the flat rows
+    keys: fx.Node  # the tensor sorted
+    bound: int | None  # the keys are integers in [0, bound), or None if unknown
+    ascending: bool
+
+
+def _int_bound(x: Any) -> int | None:
+    """``x`` holds integers in ``[0, n)``: the indices of ``topk``/``sort``/``argmax`` along an axis of ``n``,
+    through reshapes, copies and exact casts. None when attnopt cannot tell."""
+    while isinstance(x, fx.Node) and x.op == "call_function":
+        if x.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                        aten.contiguous.default, aten.alias.default, aten.flatten.using_ints):
+            x = x.args[0]
+            continue
+        if x.target is operator.getitem and isinstance(x.args[0], fx.Node) and x.args[1] == 1 \
+                and x.args[0].op == "call_function" and x.args[0].target in (aten.topk.default, aten.sort.default,
+                                                                             aten.sort.stable):
+            src = x.args[0]
+            kw = normalize_function(src.target, src.args, src.kwargs, normalize_to_only_use_kwargs=True)
+            if kw is None or mutated(x):
+                return None
+            shape = shape_of(kw.kwargs.get("self", kw.kwargs.get("input"))) or ()
+            size = shape[_dim(kw.kwargs.get("dim", -1), len(shape))]
+            return size if isinstance(size, int) else None
+        if x.target in (aten.argmax.default, aten.argsort.default, aten.argsort.stable) and not mutated(x):
+            kw = normalize_function(x.target, x.args, x.kwargs, normalize_to_only_use_kwargs=True)
+            shape = shape_of(kw.kwargs.get("self", kw.kwargs.get("input"))) if kw is not None else None
+            if kw is None or shape is None or kw.kwargs.get("dim") is None and x.target is aten.argmax.default:
+                return None
+            size = shape[_dim(kw.kwargs.get("dim", -1), len(shape))]
+            return size if isinstance(size, int) else None
+        return None
+    return None
+
+
+def _exact_cast(x: fx.Node, bound: int | None) -> bool:
+    """Integers below ``bound`` survive ``x``'s dtype exactly."""
+    val = meta_value(x)
+    if bound is None or not isinstance(val, torch.Tensor):
+        return False
+    if val.dtype.is_floating_point:
+        return bound <= 2 ** (1 - int(math.log2(torch.finfo(val.dtype).eps)))  # 2 ** significand bits
+    return val.dtype != torch.bool and bound - 1 <= torch.iinfo(val.dtype).max
+
+
+def _start_sort(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``sort``/``argsort`` of a 1-D folded tensor along its rows: the start of a dispatch."""
+    x = kw.get("self", kw.get("input"))
+    if _dim(kw.get("dim", -1), 1) != a.folds[x][0]:
+        raise _Refuse("sorts a folded tensor along another axis")
+    a.sort_info[node] = _SortInfo(a.folds[x], x, _int_bound(x), not kw.get("descending", False))
+    a.sorted[node] = _Sorted(node, "sort" if node.target.overloadpacket is aten.sort else "index")  # type: ignore
+    return a.kind(x)
+
+
+def _rows_of(a: _Analysis, xs: list[fx.Node]) -> fx.Node:
+    """The one sort whose rows all of ``xs`` are (role rows or keys)."""
+    sorts = {a.sorted[x].sort for x in xs if x in a.sorted}
+    if len(sorts) != 1 or any(x in a.sorted and a.sorted[x].role not in ("rows", "keys") for x in xs):
+        raise _Refuse("mixes values of a mixture of experts' dispatch in a way attnopt does not follow")
+    return sorts.pop()  # type: ignore[return-value]
+
+
+def _dispatch(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """An op that reads a value of a dispatch (:class:`_Sorted`): the roles it keeps, or a refusal."""
+    target = node.target
+    packet = target.overloadpacket  # type: ignore[union-attr]
+    refuse = _Refuse("acts on the rows of a mixture of experts' dispatch (sorted by expert) in a way attnopt "
+                     "does not follow: it follows ops on each row alone, grouped_mm by the sort's own counts "
+                     "and indexing by the inverse permutation")
+    role = {x: a.sorted[x] for x in _flat(kw) if isinstance(x, fx.Node) and x in a.sorted}
+    tensors = [x for x in _flat(kw) if isinstance(x, fx.Node) and a.kind(x) != SHAPE]
+    sizes = ("size", "shape") if packet in _ROW_MOVES else ()  # checked against the rows by _row_axis_kept
+    a.no_length([x for k, v in kw.items() if k not in sizes for x in _flat(v)
+                 if not (isinstance(x, fx.Node) and a.kind(x) != SHAPE)])
+    if _writes_in_place(node) and isinstance(node.args[0], fx.Node) and node.args[0] in a.sorted \
+            and a.sorted[node.args[0]].role not in ("rows", "fresh"):
+        raise _Refuse("writes in place into the sorted keys or the permutation of a mixture of experts' dispatch")
+    strongest = a.strongest(tensors)
+    x = kw.get("self", kw.get("input"))
+    if packet in (aten.floor_divide, aten.div) and x in role and role[x].role == "index" \
+            and (packet is aten.floor_divide or kw.get("rounding_mode") == "floor") \
+            and isinstance(kw.get("other"), int) and kw["other"] >= 1:
+        a.sorted[node] = _Sorted(role[x].sort, "index", role[x].div * kw["other"])
+        return strongest
+    if packet is aten.index:
+        return _dispatch_index(a, node, kw, refuse)
+    if packet in (aten.index_put, aten.index_put_):
+        return _dispatch_put(a, node, kw, refuse)
+    if packet in (aten.empty_like, aten.zeros_like, aten.new_empty, aten.new_zeros) and x in role:
+        a.sorted[node] = _Sorted(role[x].sort, "fresh")
+        return strongest
+    if packet in (aten.argsort, aten.sort) and x in role and role[x].role == "index" and role[x].div == 1:
+        # the argsort of a permutation is its inverse
+        if packet is aten.sort:
+            a.sorted[node] = _Sorted(role[x].sort, "sort_of_index")
+        else:
+            a.sorted[node] = _Sorted(role[x].sort, "inverse")
+        return strongest
+    if packet is aten.histc:
+        return _dispatch_counts(a, node, kw, refuse)
+    if packet is aten.cumsum and x in role and role[x].role == "counts" and _dim(kw["dim"], 1) == 0:
+        a.sorted[node] = _Sorted(role[x].sort, "offsets", bins=role[x].bins)
+        return strongest
+    # ops on each row alone: the sort's rows stay its rows (keys stay keys through exact casts and copies)
+    s = _rows_of(a, [t for t in tensors if t in role])
+    rank = len(shape_of(node) or ())
+    pointwise = torch.Tag.pointwise in target.tags
+    for t in tensors:
+        if t in role:
+            if len(shape_of(t) or ()) != rank and not (packet in _ROW_LAYOUT and t is x):
+                raise refuse  # a row axis that broadcasts elsewhere
+        elif a.kind(t) != CONST or a.stretched(t) or a.axes(t):
+            raise refuse
+        elif pointwise and len(shape_of(t) or ()) == rank and (shape_of(t) or (1,))[0] != 1:
+            raise refuse  # a constant with its own rows would pair them with the sorted ones
+    if pointwise or packet in (aten.mm, aten.linear, aten.addmm) and _row_product(a, kw):
+        pass
+    elif packet in _ROW_LAYOUT and x in role:
+        _row_axis_kept(a, node, kw, x, refuse)
+    else:
+        raise refuse
+    keys = packet in _KEY_CASTS and x in role and role[x].role == "keys" \
+        and _exact_cast(node, a.sort_info[s].bound)
+    a.sorted[node] = _Sorted(s, "keys" if keys else "rows")
+    return strongest
+
+
+_DISPATCH_REFUSAL = _Refuse("acts on the rows of a mixture of experts' dispatch (sorted by expert) in a way attnopt "
+                            "does not follow")
+
+
+def _is_grouped_mm(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    return target is aten._grouped_mm.default or schema is not None \
+        and schema.name == "transformers::grouped_mm_fallback"
+
+
+#: ops that keep each row of their first operand alone when they leave its first axis where it is
+_ROW_LAYOUT = {aten.unsqueeze, aten.squeeze, aten.view, aten.reshape, aten._unsafe_view, aten.split,
+               aten.split_with_sizes, aten.chunk, aten.unbind, aten.select, aten.narrow, aten.slice, aten.softmax,
+               aten._softmax, aten.log_softmax, aten._log_softmax, aten.sum, aten.mean, aten.amax, aten.amin,
+               aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.layer_norm,
+               aten.rms_norm, aten.expand, aten.lift_fresh_copy}
+#: of those, ops whose dims name the output's axes (a new one, a dropped one), not axes they act along
+_ROW_MOVES = {aten.unsqueeze, aten.squeeze, aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+_KEY_CASTS = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.view,
+              aten.reshape, aten._unsafe_view}
+
+
+def _row_product(a: _Analysis, kw: dict[str, Any]) -> bool:
+    """``mm``/``linear``/``addmm`` of sorted rows with constant weights: each row times the same matrix."""
+    rows = kw.get("mat1", kw.get("self", kw.get("input")))
+    if kw.get("mat1") is not None:
+        others = [kw.get("mat2"), kw.get("self")]
+    else:
+        others = [kw.get("mat2", kw.get("weight")), kw.get("bias")]
+    return rows in a.sorted and all(not isinstance(o, fx.Node) or a.kind(o) == CONST for o in others) \
+        and len(shape_of(rows) or ()) == 2
+
+
+def _row_axis_kept(a: _Analysis, node: fx.Node, kw: dict[str, Any], x: fx.Node, refuse: _Refuse) -> None:
+    """A layout or reduction op keeps the sorted rows at axis 0, untouched and unmixed."""
+    nd = len(shape_of(x) or ())
+    dims: list[Any] = []
+    for n in ("dim", "dims"):
+        d = kw.get(n)
+        dims.extend(d if isinstance(d, (list, tuple)) else [] if d is None else [d])
+    packet = node.target.overloadpacket  # type: ignore[union-attr]
+    if packet in (aten.layer_norm, aten.rms_norm):
+        if len(kw["normalized_shape"]) >= nd:
+            raise refuse
+        for p in ("weight", "bias"):
+            if isinstance(kw.get(p), fx.Node) and a.kind(kw[p]) != CONST:
+                raise refuse
+    elif packet in (aten.sum, aten.mean, aten.amax, aten.amin) and not dims \
+            or packet not in _ROW_MOVES and any(_dim(d, nd) == 0 for d in dims):
+        raise refuse
+    out = meta_value(node)
+    for o in out if isinstance(out, (list, tuple)) else [out]:
+        if not isinstance(o, torch.Tensor) or o.dim() == 0 or not same(
+                sympy.sympify(_expr(o.shape[0])), sympy.sympify(_expr((shape_of(x) or ())[0]))):
+            raise refuse
+
+
+def _dispatch_index(a: _Analysis, node: fx.Node, kw: dict[str, Any], refuse: _Refuse) -> str:
+    """``x[perm // k]`` (the flat rows' tokens in sorted order), ``w[perm]``, ``table[keys]`` (each row's own
+    expert's entry), ``y[inverse]`` (back in flat order)."""
+    x, indices = kw["input"], kw["indices"]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node) or indices[0] not in a.sorted:
+        raise refuse
+    idx = indices[0]
+    r = a.sorted[idx]
+    s = r.sort
+    if r.role == "index" and x in a.folds and a.folds[x][0] == 0 and not mutated(idx):
+        info = a.sort_info[s]  # type: ignore[index]
+        _, fa, fc = a.folds[x]
+        if info.fold[0] != 0 or not same(info.fold[1], fa) or not same(info.fold[2], fc * r.div):
+            raise _Refuse("gathers rows of a mixture of experts' dispatch from a tensor that is not folded like "
+                          "the sorted one (its rows are not the tokens of the sorted rows)")
+        own = r.div == 1 and x is info.keys and not mutated(x)  # ``ids = idx[idx.argsort()]``: the sorted keys
+        a.sorted[node] = _Sorted(s, "keys" if own else "rows")
+        return TOKEN
+    if r.role == "keys" and a.kind(x) == CONST and not a.stretched(x) and not a.axes(x):
+        a.sorted[node] = _Sorted(s, "rows")  # each row's own expert's bias or scale
+        return TOKEN
+    if r.role == "inverse" and x in a.sorted and a.sorted[x].sort is s and a.sorted[x].role in ("rows", "keys") \
+            and not mutated(idx):
+        a.folds[node] = a.sort_info[s].fold  # type: ignore[index]
+        return TOKEN
+    raise refuse
+
+
+def _dispatch_put(a: _Analysis, node: fx.Node, kw: dict[str, Any], refuse: _Refuse) -> str:
+    """``inv[perm] = arange(n)``: the inverse permutation; ``out[perm] = y``: the sorted rows back in order."""
+    base, indices, values = kw["input"], kw["indices"], kw["values"]
+    if kw.get("accumulate") or base not in a.sorted or a.sorted[base].role != "fresh" or len(indices) != 1 \
+            or not isinstance(indices[0], fx.Node) or indices[0] not in a.sorted or not isinstance(values, fx.Node):
+        raise refuse
+    perm, s = indices[0], a.sorted[base].sort
+    if a.sorted[perm] != _Sorted(s, "index") or mutated(perm):
+        raise refuse
+    rows = (shape_of(perm) or ())[0]
+    if values in a.sorted and a.sorted[values].role == "iota" and len(shape_of(base) or ()) == 1 \
+            and same(sympy.sympify(_expr(a.sorted[values].n)), sympy.sympify(_expr(rows))):
+        done: _Sorted | None = _Sorted(s, "inverse")
+    elif values in a.sorted and a.sorted[values].sort is s and a.sorted[values].role in ("rows", "keys") \
+            and len(shape_of(values) or ()) == len(shape_of(base) or ()):
+        done = None  # the rows back in flat order
+    else:
+        raise refuse
+    order = a._order()
+    if any(order[u] < order[node] for u in base.users if u is not node):
+        raise refuse  # read before it was written
+    for n in (node, base) if node.target.overloadpacket is aten.index_put_ else (node,):  # type: ignore
+        if done is None:
+            a.sorted.pop(n, None)
+            a.folds[n] = a.sort_info[s].fold  # type: ignore[index]
+        else:
+            a.sorted[n] = done
+    return TOKEN
+
+
+def _dispatch_counts(a: _Analysis, node: fx.Node, kw: dict[str, Any], refuse: _Refuse) -> str:
+    """``histc(keys, bins=E, min=0, max=E-1)`` of integer keys in ``[0, E)``: bin e counts the rows of key e."""
+    x = kw["input"]
+    r = a.sorted.get(x)
+    if r is None or r.role != "keys" or r.sort is None or mutated(x):
+        raise refuse
+    info = a.sort_info[r.sort]
+    bins, lo, hi = kw.get("bins", 100), kw.get("min", 0), kw.get("max", 0)
+    dtype = getattr(meta_value(x), "dtype", None)
+    # bin e of ``[0, E-1]`` is ``floor(v * E / (E - 1))``: exact for whole v below E in float32 and wider only
+    wide = dtype in (torch.float32, torch.float64) or dtype is not None and not dtype.is_floating_point
+    if not info.ascending or info.bound is None or not isinstance(bins, int) or lo != 0 or hi != bins - 1 \
+            or info.bound > bins or not wide or bins > 4096:
+        raise _Refuse("counts the keys of a mixture of experts' dispatch in bins that attnopt cannot match to the "
+                      "keys (it follows histc(keys, E, 0, E - 1) of ascending expert indices below E)")
+    a.sorted[node] = _Sorted(r.sort, "counts", bins=bins)
+    return TOKEN
+
+
+def _dispatch_grouped(a: _Analysis, node: fx.Node, refuse: _Refuse) -> str:
+    """``grouped_mm(x, W, offs)``: rows ``offs[e-1]:offs[e]`` of ``x`` times ``W[e]``. With ``offs`` the
+    cumulative counts of the sort's own ascending keys, row r is multiplied by the weight of its own key."""
+    args = list(node.args)
+    x, w = args[0], args[1]
+    offs = args[2] if len(args) > 2 else node.kwargs.get("offs")
+    bias = args[3] if len(args) > 3 else node.kwargs.get("bias")
+    if not isinstance(x, fx.Node) or x not in a.sorted or a.sorted[x].role not in ("rows", "keys") \
+            or len(shape_of(x) or ()) != 2:
+        raise refuse
+    s = a.sorted[x].sort
+    r = a.sorted.get(offs) if isinstance(offs, fx.Node) else None
+    shape_w = shape_of(w) or ()
+    if r is None or r.sort is not s or r.role != "offsets" or mutated(offs) or not isinstance(w, fx.Node) \
+            or a.kind(w) != CONST or len(shape_w) != 3 or shape_w[0] != r.bins \
+            or isinstance(bias, fx.Node) and a.kind(bias) != CONST:
+        raise refuse
+    a.sorted[node] = _Sorted(s, "rows")
     return TOKEN
 
 
@@ -728,6 +1168,9 @@ def _arange(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     a.no_length([kw.get("dtype"), kw.get("device")])
     if start in (0, None) and _is_seq(end, a.seq) and step in (1, None):
         a.plan.shifted.append(node)
+        return POSITION
+    if start in (0, None) and step in (1, None) and _involves(end, a.seq) and _whole(_expr(end) / a.seq):
+        a.sorted[node] = _Sorted(None, "iota", n=end)  # row numbers of a dispatch's flat rows (its inverse)
         return POSITION
     raise _Refuse(f"counts over a range computed from the sequence length ({_expr(start)}, {_expr(end)}, "
                   f"{_expr(step)}); only arange(T) is understood")
