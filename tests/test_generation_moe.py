@@ -3,7 +3,7 @@
 Hugging Face's MoE families (Mixtral, Qwen-MoE, OLMoE, DeepSeek V3, ...) route each token on ``(B*T, C)`` rows
 (softmax or sigmoid, topk, DeepSeek's group mask written with ``scatter_``) and dispatch with ``grouped_mm``:
 sort the (token, slot) pairs by expert, one product per expert on contiguous rows, then the inverse
-permutation. Written here small, each variant is cached and gives the plain loop's tokens, ragged prompts
+permutation (or, ``batched_mm``, one product per row with the weights of its own expert). Written here small, each variant is cached and gives the plain loop's tokens, ragged prompts
 too; what would make a row depend on other rows is refused, naming the op.
 """
 
@@ -50,11 +50,21 @@ class Experts(Base):
         w /= w.sum(-1, keepdim=True)
         return w, idx
 
+    def batched(self, h, w, idx):
+        """HF's ``batched_mm`` experts: each (token, slot) row picks its expert's weights, one product per row."""
+        rows = h.repeat_interleave(K, dim=0) if self.how == "batched" else h.repeat(K, 1)  # tiled: other rows
+        ids = idx.reshape(-1)
+        y = F.gelu(torch.bmm(rows.unsqueeze(1), self.w_in[ids]))
+        y = torch.bmm(y, self.w_out[ids]).squeeze(1)
+        return y * w.reshape(-1, 1) * self.scale[ids]
+
     def moe(self, x):
         B, T, _ = x.shape
         h = x.reshape(-1, C)
         w, idx = self.route(h)
         how = self.how
+        if how in ("batched", "tiled"):
+            return self.batched(h, w, idx).view(B * T, K, C).sum(1).view(B, T, C)
         ids, perm = torch.sort(idx.reshape(-1), descending=how == "descending")
         if how == "other-sort":  # the keys of another routing: the groups are not the rows' own experts
             ids = torch.sort(self.router(h).topk(K, dim=-1, largest=False)[1].reshape(-1))[0]
@@ -86,8 +96,9 @@ class Experts(Base):
 
 
 @pytest.mark.parametrize("how, router", [("index_put", "softmax"), ("argsort", "softmax"), ("scatter", "softmax"),
-                                         ("index_put", "groups")],
-                         ids=["inverse-by-index_put", "inverse-by-argsort", "rows-put-back", "deepseek-groups"])
+                                         ("index_put", "groups"), ("batched", "softmax")],
+                         ids=["inverse-by-index_put", "inverse-by-argsort", "rows-put-back", "deepseek-groups",
+                              "batched-per-row"])
 def test_a_mixture_of_experts_is_cached_exactly(how, router):
     model = Experts(how, router).eval()
     lm = cached(model)
@@ -110,8 +121,9 @@ def test_a_mixture_of_experts_is_cached_exactly(how, router):
     ("keys-written", "softmax", "aten.clamp_", "writes in place into the sorted keys"),
     ("cumsum-rows", "softmax", "aten.cumsum", "mixture of experts' dispatch"),
     ("left-sorted", "softmax", "aten.view", "mixture of experts' dispatch"),
+    ("tiled", "softmax", "aten.repeat", "batch and sequence axes are folded into one"),
 ], ids=["softmax-over-rows", "sorted-descending", "fewer-bins-than-experts", "offsets-of-another-sort",
-        "keys-written-in-place", "cumsum-over-sorted-rows", "never-put-back"])
+        "keys-written-in-place", "cumsum-over-sorted-rows", "never-put-back", "rows-tiled-not-interleaved"])
 def test_what_would_mix_rows_in_a_dispatch_is_refused(how, router, op, why):
     with pytest.raises(PositionError) as info:
         cached(Experts(how, router).eval())

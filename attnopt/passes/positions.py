@@ -656,6 +656,32 @@ def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
             raise refuse
         a.folds[node] = folds.pop()
         return a.strongest(tensors)
+    if packet in (aten.index, aten.embedding):
+        # a table read by each row's own index, ``W[expert_ids]``: the rows keep the index's fold (batched_mm
+        # experts pick each (token, slot) pair's expert weights so)
+        table, idx = (kw["weight"], kw["indices"]) if packet is aten.embedding else (kw["input"], kw["indices"])
+        if packet is aten.index:
+            if len(idx) != 1 or not isinstance(idx[0], fx.Node):
+                raise refuse
+            idx = idx[0]
+        if idx not in a.folds or a.kind(table) != CONST or a.stretched(table) or a.axes(table):
+            raise refuse
+        a.folds[node] = a.folds[idx]
+        return a.kind(idx)
+    if packet is aten.bmm:  # a product per row of a folded batch axis (batched_mm experts: weights per row)
+        x, w = kw.get("self", kw.get("input")), kw["mat2"]
+        if x not in a.folds or a.folds.get(w) != a.folds[x] or a.folds[x][0] != 0:
+            raise refuse
+        a.folds[node] = a.folds[x]
+        return a.strongest([x, w])
+    if packet is aten.repeat_interleave and kw.get("self", kw.get("input")) in a.folds:
+        x, r = kw.get("self", kw.get("input")), kw.get("repeats")
+        if not isinstance(r, int) or r < 1 or kw.get("dim") is None:
+            raise refuse
+        i, fa, fc = a.folds[x]
+        # along the folded axis each row is repeated in place: row (b, t, c) becomes rows (b, t, c * r + j)
+        a.folds[node] = (i, fa, fc * r) if _dim(kw["dim"], len(shape_of(x) or ())) == i else (i, fa, fc)
+        return a.kind(x)
     if packet in _ROW_WISE_PRODUCTS:
         rows, weight, bias = (kw.get(n) if n else None for n in _ROW_WISE_PRODUCTS[packet])
         ok = rows in a.folds and a.folds[rows][0] < len(shape_of(rows) or ()) - 1 and a.kind(weight) == CONST \
