@@ -8,7 +8,10 @@ Each is taken from a Hugging Face family (named per model) and written here smal
 * positions counted from ones, ``ones(B, T).cumsum(1) - 1`` (OPT, from an all-ones ``attention_mask``);
 * a fill made a tensor in forward, ``torch.tensor(finfo.min)`` in ``torch.where`` (GPT-Neo), and a floor
   ``torch.max(s, torch.tensor(finfo.min))`` on heads folded into the batch, ``(B*H, T, D)`` with ``bmm`` (XGLM);
-* conditions on the length that ``torch.export`` records in other forms than ``T <= n`` (``2 + T <= 34``).
+* conditions on the length that ``torch.export`` records in other forms than ``T <= n`` (``2 + T <= 34``);
+* elementwise ops PyTorch does not tag ``pointwise``: ``a | b``, ``torch.where(m, 0, x)`` (Gemma 4),
+  ``torch.polar`` (DeepSeek V2), and ``view_as``;
+* ``x.squeeze()`` without dims, refused: with one new token it would squeeze the sequence axis too.
 
 Each is cached and gives the plain loop's tokens, also for ragged prompts; the same ops across positions
 (along the time axis) are refused, naming the op.
@@ -164,10 +167,32 @@ class FoldedHeads(Base):
         return self.head(x + self.merge(y))
 
 
+class Untagged(Base):
+    """Elementwise ops PyTorch does not tag pointwise: ``a | b`` of masks and ``torch.where(m, scalar, x)``
+    (Gemma 4 pads placeholder ids so), ``torch.polar`` of rotary angles (DeepSeek V2); and ``view_as``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv", 1.0 / (100 ** (torch.arange(0, D, 2).float() / D)))
+
+    def forward(self, idx):
+        idx = torch.where((idx == 3) | (idx == 5), 0, idx)
+        x = self.embed(idx)
+        angles = torch.arange(idx.size(1), dtype=torch.float32)[:, None] * self.inv
+        rot = torch.polar(torch.ones_like(angles), angles)
+
+        def rope(t):
+            pairs = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * rot).view_as(t)
+
+        q, k, v = self.heads(x)
+        return self.head(x + self.merge(self.attend(rope(q), rope(k), v)))
+
+
 @pytest.mark.parametrize("model", [Interleaved(), Tiled(), PickedHeads(), Counted(), Counted(takes_mask=True),
-                                   Counted(dtype=torch.long), FoldedHeads()],
+                                   Counted(dtype=torch.long), FoldedHeads(), Untagged()],
                          ids=["repeat_interleave", "repeat", "fixed-index", "cumsum-of-ones", "cumsum-of-the-mask",
-                              "cumsum-of-long-ones", "folded-heads"])
+                              "cumsum-of-long-ones", "folded-heads", "untagged-elementwise"])
 def test_position_wise_spellings_are_cached_exactly(model):
     model.eval()
     lm = cached(model)
@@ -192,6 +217,18 @@ def test_the_same_ops_across_positions_are_refused(model, op, why):
         cached(model.eval())
     msg = str(info.value)
     assert op in msg and why in msg and "test_generation_spellings.py:" in msg, msg
+
+
+class Squeezed(Base):
+    def forward(self, idx):
+        x = self.embed(idx)
+        return self.block(x + self.qkv(x)[..., :1].squeeze().unsqueeze(-1))
+
+
+def test_squeeze_without_dims_is_refused():
+    """At one new token the sequence axis has size 1: ``squeeze()`` would drop it there, and only there."""
+    with pytest.raises(PositionError, match=r"aten.squeeze at test_generation_spellings.py:\d+ squeezes every axis"):
+        cached(Squeezed().eval())
 
 
 def test_a_count_of_ones_in_a_half_type_bounds_max_len():

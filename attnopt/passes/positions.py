@@ -306,7 +306,7 @@ class _Analysis:
             # the tensor it views is read elsewhere through its own node, which this write does not reach
             raise _Refuse(f"writes in place into a view of another tensor (`{written.name}`), which the position "
                           "proof does not follow")
-        rule = _pointwise if torch.Tag.pointwise in target.tags else _RULES.get(packet)
+        rule = _pointwise if _is_pointwise(target) else _RULES.get(packet)
         if packet not in _RESHAPES and any(i in self.folds for i in inputs):
             rule = _folded  # batch and time folded into one axis: only row-wise ops
         if any(i in self.sorted for i in inputs):
@@ -450,6 +450,18 @@ def _is_inactive_dropout(node: fx.Node) -> bool:
     p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
     train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
     return train is False or p == 0
+
+
+#: elementwise ops that PyTorch does not tag ``pointwise``: ``a | b`` of masks (Gemma 4), ``torch.polar`` of
+#: rotary angles (DeepSeek V2)
+_UNTAGGED_POINTWISE = {aten.__or__, aten.__and__, aten.polar}
+#: ``torch.where(m, scalar, x)`` (Gemma 4's padding of placeholder ids); not ``where(m)``, which is ``nonzero``
+_SCALAR_WHERE = {aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar}
+
+
+def _is_pointwise(target: Any) -> bool:
+    return torch.Tag.pointwise in target.tags or target.overloadpacket in _UNTAGGED_POINTWISE \
+        or target in _SCALAR_WHERE
 
 
 def _dim(d: Any, nd: int) -> int:
@@ -624,12 +636,17 @@ def _reshape(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
 
 
 #: view-like ops: :func:`_reshape` follows folded time axes through them.
-_RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten}
+_RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.view_as}
 
 #: ops that act on each row of their first operand alone, along which a folded time axis may stay.
 _ROW_WISE_PRODUCTS = {aten.addmm: ("mat1", "mat2", "self"), aten.mm: ("self", "mat2", None),
                       aten.linear: ("input", "weight", "bias")}
 _SAME_ROWS = {aten.clone, aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to, aten.lift_fresh_copy}
+
+
+def _view_as(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
+    """``x.view_as(y)``: a view to ``y``'s shape (which it reads, not ``y``'s values)."""
+    return _reshape(a, node, {"self": kw.get("self", kw.get("input")), "size": list(shape_of(kw["other"]) or ())})
 
 
 def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
@@ -644,7 +661,7 @@ def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
                      "addmm/mm/linear, layer norm, casts) and a reshape that unfolds it")
     tensors = [x for x in _flat(kw) if isinstance(x, fx.Node) and a.kind(x) != SHAPE]
     a.no_length([x for x in _flat(kw) if not (isinstance(x, fx.Node) and a.kind(x) != SHAPE)])
-    if torch.Tag.pointwise in target.tags:  # type: ignore[union-attr]
+    if _is_pointwise(target):
         folds = set()
         for x in tensors:
             if x in a.folds:
@@ -911,7 +928,7 @@ def _dispatch(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     # ops on each row alone: the sort's rows stay its rows (keys stay keys through exact casts and copies)
     s = _rows_of(a, [t for t in tensors if t in role])
     rank = len(shape_of(node) or ())
-    pointwise = torch.Tag.pointwise in target.tags
+    pointwise = _is_pointwise(target)
     for t in tensors:
         if t in role:
             if len(shape_of(t) or ()) != rank and not (packet in _ROW_LAYOUT and t is x):
@@ -1253,7 +1270,7 @@ _METADATA = {_P.sym_size, _P.sym_numel, _P.sym_stride, _P.sym_storage_offset, _P
              _P.sym_constrain_range, _P.sym_constrain_range_for_size, _P._assert_tensor_metadata}
 #: Operands whose values an op does not read (only their shape, dtype or device).
 _SHAPE_ONLY: dict[Any, tuple[str, ...]] = {
-    _P.expand_as: ("other",), _P.type_as: ("other",),
+    _P.expand_as: ("other",), _P.type_as: ("other",), _P.view_as: ("other",),
     **{op: ("self", "input") for op in (_P.new_ones, _P.new_zeros, _P.new_full, _P.new_empty, _P.ones_like,
                                         _P.zeros_like, _P.full_like, _P.empty_like)},
 }
@@ -1264,6 +1281,7 @@ _RULES: dict[Any, Any] = {
         _P.expand, _P.expand_as, _P.real, _P.imag, _P.resolve_conj, _P.movedim, _P.swapaxes)},
     _P.dropout: _dropout,
     **{op: _reshape for op in (_P.view, _P.reshape, _P._unsafe_view, _P.flatten, _P.unflatten)},
+    _P.view_as: _view_as,
     **{op: _along("dim") for op in (
         _P.split, _P.split_with_sizes, _P.chunk, _P.unbind, _P.select, _P.narrow, _P.softmax, _P._softmax,
         _P.log_softmax, _P._log_softmax, _P.cumprod, _P.topk, _P.sort,
