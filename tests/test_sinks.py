@@ -9,7 +9,7 @@ import transformers  # part of the dev extra
 from support import Fn
 
 import attnopt
-from attnopt.passes.rewrite_sdpa import sink_operands
+from attnopt.runtime.sinks import sink_operands
 
 B, H, HKV, T, D = 2, 4, 2, 8, 16
 MIN = torch.finfo(torch.float32).min

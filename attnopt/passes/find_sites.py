@@ -134,7 +134,7 @@ class Match:
     v_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     out_relayout: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     #: attention-sink logits ``[..., Tq, 1]``: concatenated to the scores before the softmax, their column
-    #: dropped after it (see :func:`attnopt.passes.rewrite_sdpa.sink_operands`)
+    #: dropped after it (see :func:`attnopt.runtime.sinks.sink_operands`)
     sink: fx.Node | None = None
     #: the sink is a logit per row read from ``P @ V * sigmoid(logsumexp(s) - sink)`` (Granite-SWA), of
     #: logsumexp's shape ``[..., Tq]``: its column is ``sink.unsqueeze(-1)``
@@ -731,9 +731,15 @@ def _drops_one_key(index: Any, nd: int) -> str | None:
     if len(full) != nd or not all(isinstance(e, slice) and e == slice(None) for e in full[:-1]):
         return None
     last = full[-1]
-    if last == slice(None, -1, None):
+    if not isinstance(last, slice):
+        return None
+    # ATen's slice spells ``:-1`` as ``slice(0, -1, 1)`` and ``1:`` with the end 2**63 - 1
+    start = None if last.start == 0 else last.start
+    end = None if last.stop == 2**63 - 1 else last.stop
+    step = None if last.step == 1 else last.step
+    if (start, end, step) == (None, -1, None):
         return "last"
-    if last == slice(1, None, None):
+    if (start, end, step) == (1, None, None):
         return "first"
     return None
 
@@ -885,8 +891,9 @@ def _sink_casts(st: _Partial, cur: fx.Node, chain: list[tuple[str, Any]], nodes:
 def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     """``(x, [max nodes])`` when ``node`` is ``x - x.max(-1, keepdim=True).values`` (or ``[0]``, ``amax``,
     ``torch.max``/``torch.amax``, a ``.detach()`` on the maximum), each max node used only there."""
-    if not (node.op == "call_function" and node.target in (operator.sub, torch.sub)) or len(node.args) != 2 \
-            or node.kwargs:
+    aten = torch.ops.aten
+    if not (node.op == "call_function" and node.target in (operator.sub, torch.sub, aten.sub.Tensor)) \
+            or len(node.args) != 2 or node.kwargs:
         return None  # (``torch.sub(x, m, alpha=2)`` is no shift by the maximum)
     x, m = node.args
     if not (isinstance(x, fx.Node) and isinstance(m, fx.Node)):
@@ -895,7 +902,7 @@ def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     cur = m
     while len(cur.users) == 1 and isinstance(cur.args[0] if cur.args else None, fx.Node) and (
             cur.op == "call_method" and cur.target == "detach"
-            or cur.op == "call_function" and cur.target is torch.detach
+            or cur.op == "call_function" and cur.target in (torch.detach, aten.detach.default)
             or cur.op == "call_function" and cur.target is operator.getitem and cur.args[1] == 0
             or cur.op == "call_function" and cur.target is getattr and cur.args[1] == "values"):
         chain.append(cur)
@@ -903,7 +910,7 @@ def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if len(cur.users) != 1:
         return None
     reduced = cur.op == "call_method" and cur.target in ("max", "amax") or \
-        cur.op == "call_function" and cur.target in (torch.max, torch.amax)
+        cur.op == "call_function" and cur.target in (torch.max, torch.amax, aten.max.dim, aten.amax.default)
     if not reduced or not cur.args or cur.args[0] is not x:
         return None
     dim = cur.kwargs.get("dim", cur.args[1] if len(cur.args) > 1 else None)
@@ -911,7 +918,7 @@ def _row_max_shift(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     nd = len(shape_of(x) or ())
     dims = dim if isinstance(dim, (list, tuple)) else (dim,)
     picks = [c for c in chain if c.target in (operator.getitem, getattr)]
-    if cur.target in ("max", torch.max):
+    if cur.target in ("max", torch.max, aten.max.dim):
         # torch.max(x, dim) returns (values, indices): its values, picked right off the reduction, are a shift
         if len(picks) != 1 or picks[0] is not chain[-1]:
             return None
@@ -1283,7 +1290,7 @@ def _same_expression(a: Any, b: Any, depth: int = 6) -> bool:
 
 
 def _sink_rule(st: _Partial) -> None:
-    """An attention sink becomes one more key (:func:`attnopt.passes.rewrite_sdpa.sink_operands`): q is scaled
+    """An attention sink becomes one more key (:func:`attnopt.runtime.sinks.sink_operands`): q is scaled
     before the site, so in half types the scale is a number and a power of two (that product is then exact);
     the sink has q's dtype; no score modifier (it would change the sink's column too), no finite fill, and
     the site's own layout (no views of the scores, ``P @ V`` as written)."""

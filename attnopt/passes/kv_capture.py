@@ -38,8 +38,8 @@ _CONFIG_MAX = ("block_size", "max_position_embeddings", "n_positions", "max_seq_
 
 
 def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None:
-    if spec.sink:
-        return "has an attention sink (one more logit column), which the cache does not add yet"
+    if spec.sink and spec.score_mod is not None:
+        return "has an attention sink and a score modifier together, which the cache does not apply yet"
     if spec.causal is None and not mask_checked:
         mask = "it has no mask" if spec.mask == "none" else f"its {spec.mask} mask is not proven causal"
         return f"is not proven to be causal self-attention ({mask})"

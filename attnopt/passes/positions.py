@@ -270,7 +270,14 @@ class _Analysis:
             if s is None or self.axes(x) != (len(s) - 2,):
                 raise _Refuse(f"attention {name} has no sequence axis at dim -2 (shape {list(s or [])}), so it is "
                               "not self-attention over the sequence")
-        return max((self.kind(x) for x in (q, k, v)), key=_ORDER.__getitem__)
+        read = [q, k, v]
+        sink = node.kwargs.get("sink")
+        if isinstance(sink, fx.Node):  # an attention sink's logits: one per query row, at q's rows or broadcast
+            s = shape_of(sink)
+            if s is None or self.axes(sink) not in ((), (len(s) - 2,)) or self.stretched(sink) or sink in self.folds:
+                raise _Refuse(f"has attention-sink logits of shape {list(s or [])} that are not one per query row")
+            read.append(sink)
+        return max((self.kind(x) for x in read), key=_ORDER.__getitem__)
 
     def function(self, node: fx.Node) -> str:
         target = node.target

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -106,7 +107,7 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     proofs = [(str(buf.target), cuts, values, m.record.name) for m in chosen
               for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
     if chosen:
-        rewrite_sites(gm, chosen, "sdpa", {})              # 4. each to a site module ...
+        rewrite_sites(gm, chosen, "sdpa", {}, keep_sinks=True)  # 4. each to a site module ...
     offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector, checks)  # 5. ... then to a KV-cache site
     relaid_as_aten(gm, site_nodes)                         # (the layout changes the rewrite added, as ATen ops)
     try:
@@ -272,6 +273,12 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
     """The sites a cache may serve, a note per node of the others (for the position analysis), mask checks."""
     chosen, notes, checks = [], {}, []
     for m in found:
+        if m.spec.sink:
+            # the site's spec for the rewrite passes the mask as a tensor (the sink is one more key); the cache adds
+            # the sink's key itself, so it reads the mask over the real keys as proven: causal, a window
+            plan = m.mask
+            m.spec = replace(m.spec, causal=plan.causal, window=plan.window, conditions=len(plan.conditions),
+                             mask=plan.kind)
         why = not_cacheable(m.spec)
         if why is not None and m.spec.causal is None and m.spec.mask != "none":
             check = mask_check(gm, m, tokens, min(8, declared or 8), probe)  # causal? a window?
@@ -321,7 +328,7 @@ def _probe(model: nn.Module, declared: int | None) -> int:
 _RELAYOUT_OPS = {"unflatten": torch.ops.aten.unflatten.int, "flatten": torch.ops.aten.flatten.using_ints,
                  "size": torch.ops.aten.sym_size.int, "unsqueeze": torch.ops.aten.unsqueeze.default,
                  "expand": torch.ops.aten.expand.default, "transpose": torch.ops.aten.transpose.int,
-                 "to": torch.ops.aten._to_copy.default}
+                 "to": torch.ops.aten._to_copy.default, "mul": torch.ops.aten.mul.Tensor}
 
 
 def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
@@ -369,7 +376,8 @@ def _flat_args(a: Any) -> list[Any]:
 def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None, checks: list[MaskCheck]
               ) -> tuple[fx.Node, list[KVCacheAttention], list[fx.Node]]:
     """Add the ``offset`` input and replace every site module by a KV-cache site called ``(q, k, v, scale, offset)``;
-    a site whose mask check found a sliding window keeps that window."""
+    a site whose mask check found a sliding window keeps that window. A 0-d scale tensor (a learnt temperature)
+    is folded into q; an attention sink's logits are passed as ``sink=``, the cache adds its key."""
     windows = {c.site_name: c.window for c in checks}
     graph = gm.graph
     with graph.inserting_after(tokens):
@@ -380,6 +388,10 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
             continue
         old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
         q, k, v, _mask, scale = node.args[:5]
+        scale_tensor, sink = node.kwargs.get("scale_tensor"), node.kwargs.get("sink")
+        if scale_tensor is not None:  # multiplies the scores: folded into q (``mul``, made ATen by relaid_as_aten)
+            with graph.inserting_before(node):
+                q = graph.call_method("mul", (q, scale_tensor))
         # an elementwise score modifier (Gemma 2's soft-cap ``50*tanh(s/50)``) reads no position: the cache applies it
         # to the cached scores as written; a fixed candidate that cannot apply it (SDPA) gives way to ``math``
         fixed = variant if old.score_mod is None or variant == AUTO or get_candidate(variant).supports(old.spec) \
@@ -387,10 +399,11 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
         site = KVCacheAttention(old.site_name, old.spec, 1, old.where, candidate=fixed, selector=selector)
         site.score_mod = old.score_mod
         site.window = windows.get(old.site_name, site.window)
+        site.sink_lse = bool(node.kwargs.get("sink_lse", False))
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)
         with graph.inserting_before(node):
-            new = graph.call_module(name, (q, k, v, scale, offset))
+            new = graph.call_module(name, (q, k, v, scale, offset), {"sink": sink} if sink is not None else {})
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

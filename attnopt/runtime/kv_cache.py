@@ -20,6 +20,7 @@ from ..kernels.bands import band_pattern, window_keep
 from ..spec import AttentionSpec
 from .dispatch import DispatchingSite, candidate_layout
 from .guards import is_fake, profiler_records
+from .sinks import sink_operands
 
 aten = torch.ops.aten
 
@@ -89,6 +90,8 @@ class KVCacheAttention(DispatchingSite):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.score_mod: Any = None  # an elementwise score modifier (``spec.ElementwiseScoreMod``): reads no index
+        #: the sink is read as ``sigmoid(logsumexp(s) - sink)`` (Granite-SWA): ``+inf`` as the largest finite logit
+        self.sink_lse = False
 
     @property
     def capacity(self) -> int:
@@ -106,9 +109,13 @@ class KVCacheAttention(DispatchingSite):
         return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache) if t is not None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                offset: int | Rows) -> torch.Tensor:
+                offset: int | Rows, sink: torch.Tensor | None = None) -> torch.Tensor:
+        """``sink``: an attention sink's logits, ``(..., t, 1)`` broadcast to q's rows (gpt-oss): one more key per
+        row whose score is the sink and whose value is zero, added to the cached keys at every call."""
         kwargs = dict(dropout_p=0.0, scale=self.spec.scale if scale is None else float(scale),
                       enable_gqa=self.spec.gqa)
+        if sink is not None:
+            kwargs["sink"] = sink.expand(*q.shape[:-1], 1)
         if isinstance(offset, Rows):
             out = self._rows(q, k, v, offset, kwargs)
         elif self.window is None:
@@ -121,9 +128,15 @@ class KVCacheAttention(DispatchingSite):
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool, kwargs: dict) -> torch.Tensor:
+        kwargs = dict(kwargs)
+        sink = kwargs.pop("sink", None)
         q, keys, values, lead = candidate_layout(q, keys, values)
         if mask is not None:
             mask = mask.reshape((1,) * max(0, 4 - mask.dim()) + mask.shape)
+        if sink is not None:  # one more key, the sink's logit in every row and a zero value (as the rewrite does)
+            sink = sink.reshape(*q.shape[:-1], 1)
+            q, keys, values, mask = sink_operands(q, keys, values, sink, kwargs["scale"], mask, causal, self.sink_lse)
+            causal, kwargs["scale"] = False, 1.0
         kwargs = dict(kwargs, attn_mask=mask, is_causal=causal)
         if self.score_mod is not None:
             kwargs["score_mod"] = self.score_mod
@@ -196,6 +209,8 @@ class KVCacheAttention(DispatchingSite):
         """A ragged batch: the folded time axis ``(..., R * t, D)`` as ``(R, ..., t, D)``, a key mask per row."""
         r, t, cap, w = rows.rows, rows.t, self.capacity, self.window
         q, k, v = (x.unflatten(-2, (r, t)).movedim(-3, 0) for x in (q, k, v))  # (R, ..., t, D)
+        if "sink" in kwargs:  # the sink's logits, one per query row: laid out as q
+            kwargs = dict(kwargs, sink=kwargs["sink"].unflatten(-2, (r, t)).movedim(-3, 0))
         if self.k_cache is None or rows.fresh:
             self._allocate(k, v, k.shape[:-2], zeros=True)  # unwritten slots hold zeros: masked, never NaN
         assert self.k_cache is not None and self.v_cache is not None
@@ -216,6 +231,8 @@ class KVCacheAttention(DispatchingSite):
         shape = q.shape
         if q.dim() > 4:  # (R, 1, H, t, D): the dims before the heads into the rows
             q, keys, values = (x.reshape(-1, *x.shape[-3:]) for x in (q, keys, values))
+            if "sink" in kwargs:
+                kwargs = dict(kwargs, sink=kwargs["sink"].reshape(-1, *kwargs["sink"].shape[-3:]))
         mask = mask[:, None].repeat_interleave(q.size(0) // r, dim=0) if q.dim() == 4 else mask
         out = self._attend(q, keys, values, mask, False, kwargs)
         out = out.reshape(*shape[:-1], out.size(-1))
