@@ -65,7 +65,14 @@ class Experts(Base):
         how = self.how
         if how in ("batched", "tiled"):
             return self.batched(h, w, idx).view(B * T, K, C).sum(1).view(B, T, C)
-        ids, perm = torch.sort(idx.reshape(-1), descending=how == "descending")
+        flat = idx.reshape(-1)
+        if how == "keys-aliased":  # written through the tensor it views, after the view was taken
+            base = flat.clone()
+            flat = base.view(-1)
+            base.sub_(1)
+        ids, perm = torch.sort(flat, descending=how == "descending")
+        if how == "keys-out":
+            torch.sub(ids * 1, 1, out=ids)
         if how == "other-sort":  # the keys of another routing: the groups are not the rows' own experts
             ids = torch.sort(self.router(h).topk(K, dim=-1, largest=False)[1].reshape(-1))[0]
         if how == "keys-written":
@@ -83,6 +90,13 @@ class Experts(Base):
             y = y[inv]
         elif how == "argsort":
             y = y[perm.argsort()]
+        elif how == "argsort-descending":  # not the inverse: row i gets row n - 1 - i's result
+            y = y[perm.argsort(descending=True)]
+        elif how == "squeeze":  # (B*T*K, C) as traced, (C,) at one token of batch 1 and top-1 routing
+            y = y.view(-1, 1, C).squeeze(0).squeeze(1)
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(perm.size(0))
+            y = y[inv]
         elif how == "scatter":
             out = torch.empty_like(y)
             out[perm] = y
@@ -122,8 +136,14 @@ def test_a_mixture_of_experts_is_cached_exactly(how, router):
     ("cumsum-rows", "softmax", "aten.cumsum", "mixture of experts' dispatch"),
     ("left-sorted", "softmax", "aten.view", "mixture of experts' dispatch"),
     ("tiled", "softmax", "aten.repeat", "batch and sequence axes are folded into one"),
+    ("keys-aliased", "softmax", "aten.histc", "mixture of experts' dispatch"),
+    ("keys-out", "softmax", "aten.", "mixture of experts' dispatch"),
+    ("argsort-descending", "softmax", "aten.argsort", "mixture of experts' dispatch"),
+    ("squeeze", "softmax", "aten.squeeze", "squeezes an axis whose size is not fixed"),
 ], ids=["softmax-over-rows", "sorted-descending", "fewer-bins-than-experts", "offsets-of-another-sort",
-        "keys-written-in-place", "cumsum-over-sorted-rows", "never-put-back", "rows-tiled-not-interleaved"])
+        "keys-written-in-place", "cumsum-over-sorted-rows", "never-put-back", "rows-tiled-not-interleaved",
+        "keys-written-through-an-alias", "keys-written-by-out", "inverse-sorted-descending",
+        "squeeze-of-sorted-rows"])
 def test_what_would_mix_rows_in_a_dispatch_is_refused(how, router, op, why):
     with pytest.raises(PositionError) as info:
         cached(Experts(how, router).eval())

@@ -302,9 +302,8 @@ class _Analysis:
         packet = target.overloadpacket
         if packet in _METADATA:
             return SHAPE  # sizes and checks on them, never tensor values
-        if target is aten.squeeze.default and (self.axes(node.args[0]) or self.stretched(node.args[0])):
-            raise _Refuse("squeezes every axis of size 1 (no dim given): with one new token the sequence axis has "
-                          "size 1 and would go too; name the dims to squeeze (x.squeeze(-1))")
+        if packet is aten.squeeze:
+            self.squeezed(node)
         written = _written_view(node)
         if written is not None:
             fresh = self.filled_slice(node, written)
@@ -338,9 +337,9 @@ class _Analysis:
         """An in-place write is read through the tensor it writes: that tensor's later readers (in graph order,
         which is the walk's) see what the write made of it, ``zeros_like(x).scatter_(1, idx, 1)`` a token value
         (DeepSeek's group mask). A view of it taken before the write would be read under its old kind: refused."""
-        base = node.args[0] if node.args else None
-        if not isinstance(base, fx.Node) or not isinstance(self.kinds.get(base), str) \
-                or _written_view(node) is not None:
+        written = _written_args(node)
+        base = written[0] if len(written) == 1 else None
+        if base is None or not isinstance(self.kinds.get(base), str) or _written_view(node) is not None:
             return  # writes into views: refused or followed by filled_slice
         kind = self.kinds[node]
         assert isinstance(kind, str)
@@ -359,6 +358,23 @@ class _Analysis:
                 facts.pop(base, None)  # type: ignore[attr-defined]
             else:
                 facts[base] = fact  # type: ignore[index]
+
+    def squeezed(self, node: fx.Node) -> None:
+        """``squeeze`` drops an axis only where it has size 1: an axis whose size is symbolic (the batch, the
+        sequence, rows folded from them) was kept where export traced it (sizes of at least 2), yet goes at
+        batch 1 or with one new token, and the ops after it then act on other axes."""
+        x = node.args[0]
+        shape = shape_of(x) or ()
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", node.kwargs.get("dims"))
+        if dims is None:
+            dims = list(range(len(shape)))
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        for d in dims:
+            size = shape[_dim(d, len(shape))] if shape else 1
+            if not isinstance(size, int):
+                what = "the sequence axis" if _is_seq(size, self.seq) else "an axis whose size is not fixed"
+                raise _Refuse(f"squeezes {what} ({_expr(size)}), which has size 1 at batch 1 or with one new token "
+                              "and would go there; squeeze only axes of a fixed size 1 (x.squeeze(-1))")
 
     def item(self, node: fx.Node) -> None:
         """``getitem`` of a tuple (``topk``, ``chunk``, ``sort``): each item keeps the fold or the dispatch role."""
@@ -434,6 +450,15 @@ def _only_written(node: fx.Node) -> bool:
 def _writes_in_place(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
         and node.target._schema.is_mutable
+
+
+def _written_args(node: fx.Node) -> list[fx.Node]:
+    """The nodes an in-place ATen op writes: its ``Tensor(a!)`` arguments, ``out=`` included."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    given = [*zip(schema.arguments, node.args),
+             *((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)]
+    return [y for arg, value in given if arg.alias_info is not None and arg.alias_info.is_write
+            for y in _flat(value) if isinstance(y, fx.Node)]
 
 
 def _written_view(node: fx.Node) -> fx.Node | None:
@@ -834,9 +859,30 @@ class _SortInfo:
     ascending: bool
 
 
+#: single-input ops that keep every value (layout changes, copies): walked back by :func:`_unwritten`
+_KEEPS_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                 aten.contiguous.default, aten.alias.default, aten.detach.default, aten._to_copy.default,
+                 aten.to.dtype, aten.flatten.using_ints, aten.lift_fresh_copy.default}
+
+
+def _unwritten(x: Any) -> bool:
+    """Neither ``x`` nor what it was copied or viewed from (back through :data:`_KEEPS_VALUES`) is written in place anywhere in the graph, through any alias or ``out=``: the values a rule read from how
+    they were made are the values there."""
+    while isinstance(x, fx.Node):
+        if mutated(x):
+            return False
+        if x.op == "call_function" and x.target in _KEEPS_VALUES:
+            x = x.args[0]
+            continue
+        return True  # made here (a tuple's item: only writes into that item count, not into its siblings)
+    return True
+
+
 def _int_bound(x: Any) -> int | None:
     """``x`` holds integers in ``[0, n)``: the indices of ``topk``/``sort``/``argmax`` along an axis of ``n``,
-    through reshapes, copies and exact casts. None when attnopt cannot tell."""
+    through reshapes, copies and exact casts, none of them written in place. None when attnopt cannot tell."""
+    if not _unwritten(x):
+        return None
     while isinstance(x, fx.Node) and x.op == "call_function":
         if x.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
                         aten.contiguous.default, aten.alias.default, aten.flatten.using_ints):
@@ -903,8 +949,8 @@ def _dispatch(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     sizes = ("size", "shape") if packet in _ROW_MOVES else ()  # checked against the rows by _row_axis_kept
     a.no_length([x for k, v in kw.items() if k not in sizes for x in _flat(v)
                  if not (isinstance(x, fx.Node) and a.kind(x) != SHAPE)])
-    if _writes_in_place(node) and isinstance(node.args[0], fx.Node) and node.args[0] in a.sorted \
-            and a.sorted[node.args[0]].role not in ("rows", "fresh"):
+    if _writes_in_place(node) and any(w in a.sorted and a.sorted[w].role not in ("rows", "fresh")
+                                       for w in _written_args(node)):
         raise _Refuse("writes in place into the sorted keys or the permutation of a mixture of experts' dispatch")
     strongest = a.strongest(tensors)
     x = kw.get("self", kw.get("input"))
@@ -920,7 +966,8 @@ def _dispatch(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
     if packet in (aten.empty_like, aten.zeros_like, aten.new_empty, aten.new_zeros) and x in role:
         a.sorted[node] = _Sorted(role[x].sort, "fresh")
         return strongest
-    if packet in (aten.argsort, aten.sort) and x in role and role[x].role == "index" and role[x].div == 1:
+    if packet in (aten.argsort, aten.sort) and x in role and role[x].role == "index" and role[x].div == 1 \
+            and not kw.get("descending", False) and _unwritten(x):
         # the argsort of a permutation is its inverse
         if packet is aten.sort:
             a.sorted[node] = _Sorted(role[x].sort, "sort_of_index")
@@ -1022,20 +1069,20 @@ def _dispatch_index(a: _Analysis, node: fx.Node, kw: dict[str, Any], refuse: _Re
     idx = indices[0]
     r = a.sorted[idx]
     s = r.sort
-    if r.role == "index" and x in a.folds and a.folds[x][0] == 0 and not mutated(idx):
+    if r.role == "index" and x in a.folds and a.folds[x][0] == 0 and _unwritten(idx):
         info = a.sort_info[s]  # type: ignore[index]
         _, fa, fc = a.folds[x]
         if info.fold[0] != 0 or not same(info.fold[1], fa) or not same(info.fold[2], fc * r.div):
             raise _Refuse("gathers rows of a mixture of experts' dispatch from a tensor that is not folded like "
                           "the sorted one (its rows are not the tokens of the sorted rows)")
-        own = r.div == 1 and x is info.keys and not mutated(x)  # ``ids = idx[idx.argsort()]``: the sorted keys
+        own = r.div == 1 and x is info.keys and _unwritten(x)  # ``ids = idx[idx.argsort()]``: the sorted keys
         a.sorted[node] = _Sorted(s, "keys" if own else "rows")
         return TOKEN
-    if r.role == "keys" and a.kind(x) == CONST and not a.stretched(x) and not a.axes(x):
+    if r.role == "keys" and a.kind(x) == CONST and not a.stretched(x) and not a.axes(x) and _unwritten(idx):
         a.sorted[node] = _Sorted(s, "rows")  # each row's own expert's bias or scale
         return TOKEN
     if r.role == "inverse" and x in a.sorted and a.sorted[x].sort is s and a.sorted[x].role in ("rows", "keys") \
-            and not mutated(idx):
+            and _unwritten(idx):
         a.folds[node] = a.sort_info[s].fold  # type: ignore[index]
         return TOKEN
     raise refuse
@@ -1048,7 +1095,7 @@ def _dispatch_put(a: _Analysis, node: fx.Node, kw: dict[str, Any], refuse: _Refu
             or not isinstance(indices[0], fx.Node) or indices[0] not in a.sorted or not isinstance(values, fx.Node):
         raise refuse
     perm, s = indices[0], a.sorted[base].sort
-    if a.sorted[perm] != _Sorted(s, "index") or mutated(perm):
+    if a.sorted[perm] != _Sorted(s, "index") or not _unwritten(perm):
         raise refuse
     rows = (shape_of(perm) or ())[0]
     if values in a.sorted and a.sorted[values].role == "iota" and len(shape_of(base) or ()) == 1 \
@@ -1075,7 +1122,7 @@ def _dispatch_counts(a: _Analysis, node: fx.Node, kw: dict[str, Any], refuse: _R
     """``histc(keys, bins=E, min=0, max=E-1)`` of integer keys in ``[0, E)``: bin e counts the rows of key e."""
     x = kw["input"]
     r = a.sorted.get(x)
-    if r is None or r.role != "keys" or r.sort is None or mutated(x):
+    if r is None or r.role != "keys" or r.sort is None or not _unwritten(x):
         raise refuse
     info = a.sort_info[r.sort]
     bins, lo, hi = kw.get("bins", 100), kw.get("min", 0), kw.get("max", 0)
@@ -1103,7 +1150,7 @@ def _dispatch_grouped(a: _Analysis, node: fx.Node, refuse: _Refuse) -> str:
     s = a.sorted[x].sort
     r = a.sorted.get(offs) if isinstance(offs, fx.Node) else None
     shape_w = shape_of(w) or ()
-    if r is None or r.sort is not s or r.role != "offsets" or mutated(offs) or not isinstance(w, fx.Node) \
+    if r is None or r.sort is not s or r.role != "offsets" or not _unwritten(offs) or not isinstance(w, fx.Node) \
             or a.kind(w) != CONST or len(shape_w) != 3 or shape_w[0] != r.bins \
             or isinstance(bias, fx.Node) and a.kind(bias) != CONST:
         raise refuse
