@@ -11,7 +11,8 @@ Each is taken from a Hugging Face family (named per model) and written here smal
 * conditions on the length that ``torch.export`` records in other forms than ``T <= n`` (``2 + T <= 34``);
 * elementwise ops PyTorch does not tag ``pointwise``: ``a | b``, ``torch.where(m, 0, x)`` (Gemma 4),
   ``torch.polar`` (DeepSeek V2), and ``view_as``;
-* ``x.squeeze()`` without dims, refused: with one new token it would squeeze the sequence axis too.
+* ``x.squeeze()`` without dims, refused: at batch 1 or with one new token it would squeeze the batch or the
+  sequence axis too.
 
 Each is cached and gives the plain loop's tokens, also for ragged prompts; the same ops across positions
 (along the time axis) are refused, naming the op.
@@ -227,7 +228,8 @@ class Squeezed(Base):
 
 def test_squeeze_without_dims_is_refused():
     """At one new token the sequence axis has size 1: ``squeeze()`` would drop it there, and only there."""
-    with pytest.raises(PositionError, match=r"aten.squeeze at test_generation_spellings.py:\d+ squeezes every axis"):
+    with pytest.raises(PositionError, match=r"aten.squeeze at test_generation_spellings.py:\d+ squeezes an axis whose "
+                                            r"size is not fixed"):
         cached(Squeezed().eval())
 
 
