@@ -3,8 +3,9 @@
 Hugging Face's MoE families (Mixtral, Qwen-MoE, OLMoE, DeepSeek V3, ...) route each token on ``(B*T, C)`` rows
 (softmax or sigmoid, topk, DeepSeek's group mask written with ``scatter_``) and dispatch with ``grouped_mm``:
 sort the (token, slot) pairs by expert, one product per expert on contiguous rows, then the inverse
-permutation (or, ``batched_mm``, one product per row with the weights of its own expert). Written here small, each variant is cached and gives the plain loop's tokens, ragged prompts
-too; what would make a row depend on other rows is refused, naming the op.
+permutation (or, ``batched_mm``, one product per row with the weights of its own expert). Written here small,
+each variant is cached and gives the plain loop's tokens, ragged prompts too; what would make a row depend on
+other rows (or on the batch and length being at least 2) is refused, naming the op.
 """
 
 from __future__ import annotations

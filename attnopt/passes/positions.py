@@ -866,8 +866,9 @@ _KEEPS_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
 
 
 def _unwritten(x: Any) -> bool:
-    """Neither ``x`` nor what it was copied or viewed from (back through :data:`_KEEPS_VALUES`) is written in place anywhere in the graph, through any alias or ``out=``: the values a rule read from how
-    they were made are the values there."""
+    """Neither ``x`` nor what it was copied or viewed from (back through :data:`_KEEPS_VALUES`) is written in
+    place anywhere in the graph, through any alias or ``out=``: the values a rule read from how they were made
+    are the values there."""
     while isinstance(x, fx.Node):
         if mutated(x):
             return False
