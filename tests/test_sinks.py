@@ -107,8 +107,16 @@ def test_sinks_that_cannot_be_one_more_key_are_left_alone() -> None:
         c = torch.cat([w, self.sinks.reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)], -1)
         return torch.softmax(c, -1)[..., :-1] @ v
 
+    def grouped_5d(self, q, k, v):  # heads as (Hkv, G): the site folds the leading axes, the sink would not follow
+        b, h, t, d = q.shape
+        q, k, v = q.view(b, 2, h // 2, t, d), k[:, :2, None].expand(b, 2, h // 2, t, d), v[:, :2, None].expand(
+            b, 2, h // 2, t, d)
+        w = q @ k.transpose(-2, -1)
+        c = torch.cat([w, self.sinks.view(1, 2, h // 2, 1, 1).expand(b, 2, h // 2, t, 1)], -1)
+        return (torch.softmax(c, -1)[..., :-1] @ v).reshape(b, h, t, d)
+
     cases = {soft_capped: ("score modifier", torch.float32), sliced_only: ("sink", torch.float32),
-             odd_scale_half: ("power of two", torch.bfloat16)}
+             odd_scale_half: ("power of two", torch.bfloat16), grouped_5d: ("more than 4 dims", torch.float32)}
     for body, (words, dtype) in cases.items():
         model = Fn(body, sinks=torch.randn(H)).to(dtype)
         opt = attnopt.optimize(model)

@@ -1314,6 +1314,9 @@ def _sink_rule(st: _Partial) -> None:
         why = f"the mask fills a finite value ({st.plan.bound_fill:g})"
     elif st.views or st.v_transposed:
         why = "the scores or probabilities are viewed in another layout, or v is multiplied transposed"
+    elif any(st.relayouts):
+        why = ("the heads are laid out in more than 4 dims (the site folds their leading axes, which the sink's "
+               "logits would have to follow)")
     if why:
         raise NearMiss(f"the attention sink is left as written: {why} (a sink becomes one more key with no score "
                        "modifier, no finite fill, the scores in the layout of q @ k^T and, in half types, a power "
