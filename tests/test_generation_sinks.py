@@ -3,7 +3,7 @@
 An attention sink (gpt-oss: ``softmax(cat([s, sink], -1) - rowmax)[..., :-1] @ v``; Granite-SWA: ``softmax(s) @ v
 * sigmoid(logsumexp(s) - sink)``) is one more key per row, whose score is the sink and whose value is zero: the
 KV cache adds it to the cached keys at every call (prefill, steps, ragged rows, sliding windows). A 0-d scale
-tensor (a learnt temperature) multiplies the cached scores as written.
+tensor (a learnt temperature; divided by, or one per head) multiplies the cached scores as written.
 """
 
 from __future__ import annotations
@@ -27,18 +27,21 @@ class Sinks(Base):
         self.how, self.window = how, window
         self.sinks = nn.Parameter(torch.randn(H) * 2)
         self.temp = nn.Parameter(torch.tensor(0.7))
+        self.head_temp = nn.Parameter(torch.rand(1, H, 1, 1) + 0.5)
 
     def attend(self, q, k, v):
         B, _, T, _ = q.shape
         s = q @ k.transpose(-2, -1) / math.sqrt(D)
         if self.how == "temperature":
             s = s * self.temp
+        elif self.how == "temperatures":  # divided by one, times a per-head one
+            s = s / self.temp * self.head_temp
         if self.window is None:
             s = s.masked_fill(~self.bias[:T, :T], float("-inf"))
         else:  # Mistral's window: -inf above the diagonal and `window` or more behind
             inf = torch.full((T, T), float("-inf"))
             s = s + inf.triu(1) + inf.tril(-self.window)
-        if self.how == "temperature":
+        if self.how.startswith("temperature"):
             return s.softmax(-1) @ v
         sink = self.sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)
         if self.how == "lse":
@@ -51,8 +54,10 @@ class Sinks(Base):
         return self.block(self.embed(idx))
 
 
-@pytest.mark.parametrize("how, window", [("cat", None), ("lse", None), ("cat", 3), ("temperature", None)],
-                         ids=["gpt-oss-sink", "granite-sink", "sink-in-a-window", "learnt-temperature"])
+@pytest.mark.parametrize("how, window", [("cat", None), ("lse", None), ("cat", 3), ("temperature", None),
+                                         ("temperatures", None)],
+                         ids=["gpt-oss-sink", "granite-sink", "sink-in-a-window", "learnt-temperature",
+                              "divided-and-per-head-temperatures"])
 def test_sinks_and_temperatures_are_cached_exactly(how, window):
     model = Sinks(how, window).eval()
     lm = cached(model)

@@ -11,6 +11,7 @@ for why the result computes the same function.
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 from dataclasses import replace
 from typing import Any
@@ -350,7 +351,9 @@ def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
     sites = set(site_nodes)
     with fake_mode:
         for node in list(graph.nodes):
-            if node.op == "call_method" and node.target in _RELAYOUT_OPS:
+            if node.op == "call_function" and node.target in (operator.mul, operator.truediv):
+                _tensor_arithmetic(graph, node, val)  # scale factors the rewrite folded into q
+            elif node.op == "call_method" and node.target in _RELAYOUT_OPS:
                 args = val(node.args)
                 if any(a is None for a in _flat_args(args)):
                     continue
@@ -367,6 +370,26 @@ def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
                     node.meta["val"] = q.new_empty([*q.shape[:-1], v.shape[-1]])
     graph.lint()
     gm.recompile()
+
+
+def _tensor_arithmetic(graph: fx.Graph, node: fx.Node, val: Any) -> None:
+    """``operator.mul``/``truediv`` on a tensor (a per-head factor or ``1 / temperature`` the rewrite folds into q)
+    as ``aten.mul``/``aten.div`` (``number / t`` as ``reciprocal(t) * number``), with fake-tensor meta."""
+    a, b = node.args
+    va, vb = val(a), val(b)
+    aten = torch.ops.aten
+    if isinstance(va, torch.Tensor):
+        node.target = aten.mul.Tensor if node.target is operator.mul else aten.div.Tensor
+    elif isinstance(vb, torch.Tensor) and node.target is operator.mul:
+        node.target, node.args = aten.mul.Tensor, (b, a)
+    elif isinstance(vb, torch.Tensor) and isinstance(a, (int, float)):
+        with graph.inserting_before(node):
+            inv = graph.call_function(aten.reciprocal.default, (b,))
+        inv.meta["val"] = torch.reciprocal(vb)
+        node.target, node.args = aten.mul.Tensor, (inv, a)
+    else:
+        return  # sizes and numbers: the position analysis reads them as such
+    node.meta["val"] = node.target(*val(node.args))
 
 
 def _flat_args(a: Any) -> list[Any]:
