@@ -35,6 +35,7 @@ class Experts(Base):
         self.w_in = nn.Parameter(torch.randn(E, C, HID) * 0.2)
         self.w_out = nn.Parameter(torch.randn(E, HID, C) * 0.2)
         self.scale = nn.Parameter(torch.randn(E, 1) * 0.1 + 1)
+        self.bias_out = nn.Parameter(torch.randn(E, C) * 0.1)
 
     def route(self, h):
         logits = self.router(h)
@@ -57,6 +58,7 @@ class Experts(Base):
         ids = idx.reshape(-1)
         y = F.gelu(torch.bmm(rows.unsqueeze(1), self.w_in[ids]))
         y = torch.bmm(y, self.w_out[ids]).squeeze(1)
+        y.add_(self.bias_out[ids])  # in place into a view nothing else reads (GPT-OSS's batched experts)
         return y * w.reshape(-1, 1) * self.scale[ids]
 
     def moe(self, x):

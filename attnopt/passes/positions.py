@@ -305,7 +305,7 @@ class _Analysis:
         if packet is aten.squeeze:
             self.squeezed(node)
         written = _written_view(node)
-        if written is not None:
+        if written is not None and not _private_view(node, written):
             fresh = self.filled_slice(node, written)
             if fresh is not None:
                 return fresh
@@ -459,6 +459,27 @@ def _written_args(node: fx.Node) -> list[fx.Node]:
              *((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)]
     return [y for arg, value in given if arg.alias_info is not None and arg.alias_info.is_write
             for y in _flat(value) if isinstance(y, fx.Node)]
+
+
+def _returns_alias(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" \
+        and isinstance(node.target, torch._ops.OpOverload) \
+        and any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+def _private_view(node: fx.Node, view: fx.Node) -> bool:
+    """``node`` writes into ``view``, a view that nothing else reads, of a tensor made in forward that nothing
+    else reads either (``out = bmm(w, x).squeeze(-1); out.add_(bias)``: HF's batched experts): the write is seen
+    only through ``node`` itself, so it is read as the op it computes, out of place."""
+    if set(view.users) != {node}:
+        return False
+    cur = view
+    while _returns_alias(cur):
+        cur = cur.args[0]
+        if not isinstance(cur, fx.Node) or len(cur.users) != 1:
+            return False
+    return cur.op == "call_function" and isinstance(cur.target, torch._ops.OpOverload) \
+        and not cur.target._schema.is_mutable
 
 
 def _written_view(node: fx.Node) -> fx.Node | None:
