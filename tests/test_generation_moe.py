@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_generation_spellings import Base, C, V, _alone
+from test_generation_spellings import Base, C, assert_cached_exactly
 
-from attnopt.generation import PositionError, cached, generate, generate_plain
+from attnopt.generation import PositionError, cached
 
 pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 grouped_mm = torch.ops.transformers.grouped_mm_fallback  # the grouped product HF's MoE runs on CPU in float32
@@ -117,17 +117,7 @@ class Experts(Base):
                          ids=["inverse-by-index_put", "inverse-by-argsort", "rows-put-back", "deepseek-groups",
                               "batched-per-row"])
 def test_a_mixture_of_experts_is_cached_exactly(how, router):
-    model = Experts(how, router).eval()
-    lm = cached(model)
-    idx = torch.randint(0, V, (2, 5))
-    with torch.no_grad():
-        seq = torch.cat((idx, idx[:, :3]), 1)
-        full = model(seq)
-        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
-    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
-    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
-    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+    assert_cached_exactly(Experts(how, router).eval())
 
 
 @pytest.mark.parametrize("how, router, op, why", [

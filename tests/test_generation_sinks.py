@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from test_generation_spellings import Base, D, H, V, _alone
+from test_generation_spellings import Base, D, H, V, assert_cached_exactly
 
-from attnopt.generation import cached, generate, generate_plain
+from attnopt.generation import cached
 
 
 class Sinks(Base):
@@ -59,17 +59,7 @@ class Sinks(Base):
                          ids=["gpt-oss-sink", "granite-sink", "sink-in-a-window", "learnt-temperature",
                               "divided-and-per-head-temperatures"])
 def test_sinks_and_temperatures_are_cached_exactly(how, window):
-    model = Sinks(how, window).eval()
-    lm = cached(model)
-    idx = torch.randint(0, V, (2, 5))
-    with torch.no_grad():
-        seq = torch.cat((idx, idx[:, :3]), 1)
-        full = model(seq)
-        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
-    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
-    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
-    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+    assert_cached_exactly(Sinks(how, window).eval())
 
 
 def test_a_sink_changes_the_cached_result():

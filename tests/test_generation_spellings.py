@@ -37,6 +37,22 @@ def _alone(model, prompts, n):
     return [generate_plain(model, p[None], n)[0] for p in prompts]
 
 
+def assert_cached_exactly(model):
+    """``cached(model)``'s prefill and a step of 3 give the full recompute's logits; ``generate`` gives the plain
+    loop's tokens, batched and for ragged prompts (6, 1, 3) each against that prompt alone."""
+    lm = cached(model)
+    idx = torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        seq = torch.cat((idx, idx[:, :3]), 1)
+        full = model(seq, **forward_kwargs(model, seq))  # an all-ones attention_mask where forward requires one
+        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
+    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
+    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+    return lm
+
+
 class Base(nn.Module):
     def __init__(self, block_size: int = 24):
         super().__init__()
@@ -195,17 +211,7 @@ class Untagged(Base):
                          ids=["repeat_interleave", "repeat", "fixed-index", "cumsum-of-ones", "cumsum-of-the-mask",
                               "cumsum-of-long-ones", "folded-heads", "untagged-elementwise"])
 def test_position_wise_spellings_are_cached_exactly(model):
-    model.eval()
-    lm = cached(model)
-    idx = torch.randint(0, V, (2, 5))
-    with torch.no_grad():
-        seq = torch.cat((idx, idx[:, :3]), 1)
-        full = model(seq, **forward_kwargs(model, seq))  # an all-ones attention_mask where forward requires one
-        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
-    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
-    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
-    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), _alone(model, prompts, 8)))
+    assert_cached_exactly(model.eval())
 
 
 @pytest.mark.parametrize("model, op, why", [

@@ -348,8 +348,7 @@ class _Analysis:
         if before == after:
             return
         order = self._order()
-        if any(order[u] < order[node] and u.op == "call_function" and isinstance(u.target, torch._ops.OpOverload)
-               and any(r.alias_info is not None for r in u.target._schema.returns) for u in base.users):
+        if any(order[u] < order[node] and _returns_alias(u) for u in base.users):
             raise PositionError(f"{describe(node)} writes in place into a tensor that a view taken before it reads "
                                 "(`" + base.name + "`); the position proof does not follow such a view")
         self.kinds[base] = after[0]
@@ -490,9 +489,7 @@ def _written_view(node: fx.Node) -> fx.Node | None:
     given = [*zip(schema.arguments, node.args),
              *((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)]  # ``out=`` included
     for arg, value in given:
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node) \
-                and value.op == "call_function" and isinstance(value.target, torch._ops.OpOverload) \
-                and any(r.alias_info is not None for r in value.target._schema.returns):
+        if arg.alias_info is not None and arg.alias_info.is_write and _returns_alias(value):
             return value
     return None
 
@@ -915,12 +912,12 @@ def _int_bound(x: Any) -> int | None:
                                                                              aten.sort.stable):
             src = x.args[0]
             kw = normalize_function(src.target, src.args, src.kwargs, normalize_to_only_use_kwargs=True)
-            if kw is None or mutated(x):
+            if kw is None:
                 return None
             shape = shape_of(kw.kwargs.get("self", kw.kwargs.get("input"))) or ()
             size = shape[_dim(kw.kwargs.get("dim", -1), len(shape))]
             return size if isinstance(size, int) else None
-        if x.target in (aten.argmax.default, aten.argsort.default, aten.argsort.stable) and not mutated(x):
+        if x.target in (aten.argmax.default, aten.argsort.default, aten.argsort.stable):
             kw = normalize_function(x.target, x.args, x.kwargs, normalize_to_only_use_kwargs=True)
             shape = shape_of(kw.kwargs.get("self", kw.kwargs.get("input"))) if kw is not None else None
             if kw is None or shape is None or kw.kwargs.get("dim") is None and x.target is aten.argmax.default:
