@@ -7,8 +7,9 @@
 The models are ``benchmarks/hf_zoo.py``'s (tiny configs, random weights, eager attention, eval mode), the
 decoder-only causal LM types only. Each type runs in a forked process with a time limit. Per type:
 
-* ``attnopt.generation.cached(model)``: the capture and proofs; a refusal (``PositionError`` and the like) is a
-  row with its reason: attnopt declined to cache it, which is correct behaviour, not a failure;
+* ``attnopt.generation.cached(model)``: the capture and proofs (with ``max_len=64`` where the model names no
+  maximum length and the call asks for one: BLOOM's ALiBi has no position table); a refusal (``PositionError``
+  and the like) is a row with its reason: attnopt declined to cache it, which is correct behaviour, not a failure;
 * greedy tokens of ``attnopt.generate(lm, ids, 8)`` for a batch of 2 prompts of 5 tokens against
   ``generate_plain`` (the full-recompute loop of the model as written), and a ragged batch of prompts of 6, 1
   and 3 tokens against each prompt generated alone.
@@ -67,7 +68,13 @@ def run_type(model_type: str) -> dict[str, Any]:
     ids = hf_zoo._ids(model.config, 2, 11, gen)
     start = time.perf_counter()
     try:
-        lm = cached(model)
+        try:
+            lm = cached(model)
+        except ValueError as e:  # no maximum length to be found (ALiBi, BLOOM): given, as the message asks
+            if "pass max_len=" not in str(e):
+                raise
+            lm = cached(model, max_len=hf_zoo.POSITIONS)
+            row["max_len_given"] = True
     except Exception as e:  # noqa: BLE001 - a refusal names its reason
         return {**row, "status": "refused", "detail": f"{type(e).__name__}: {e}"[:400],
                 "capture_s": round(time.perf_counter() - start, 1)}
@@ -141,7 +148,8 @@ def report(rows: list[dict[str, Any]], wall: float) -> str:
              "`python benchmarks/bench_generate_zoo.py` (tiny configs, random weights, eager attention; greedy "
              "tokens against the full-recompute loop, ragged prompts against each prompt alone).", "",
              ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())), ""]
-    table = [[r["type"], r.get("class", ""), r["status"], r.get("max_len", ""), r.get("capture_s", ""),
+    table = [[r["type"], r.get("class", ""), r["status"],
+              f"{r.get('max_len', '')}{' (given)' * r.get('max_len_given', False)}", r.get("capture_s", ""),
               "" if r.get("gap") is None else f"{r['gap']:.1e}", str(r.get("detail", ""))[:160]]
              for r in sorted(rows, key=lambda r: (r["status"] != "exact", r["status"], r["type"]))]
     lines.append(tabulate(table, headers=["type", "class", "status", "max_len", "capture s", "logit gap", "detail"],

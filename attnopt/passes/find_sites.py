@@ -148,6 +148,9 @@ class Match:
     #: the condition of a ``masked_fill`` before the softmax whose keys the probabilities zero again after it
     #: (``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0)``): rows where it hides every key are zero
     zero_rows: fx.Node | None = None
+    #: additive mask terms of one value per key (``[..., 1, Tk]``: ALiBi's ``slope * j``), set apart by the KV
+    #: cache, which keeps them with the keys; empty for every other route (:func:`attnopt.pipeline.kv.cached`)
+    key_bias: list[Any] = field(default_factory=list)
 
 
 class NearMiss(Refusal):

@@ -383,7 +383,8 @@ def resolve_max_len(requested: int | None, declared: int | None, plan: PositionP
 
 
 def cache_bytes_per_token(site_node: fx.Node, tokens: fx.Node) -> int | None:
-    """K and V bytes per position of one sequence at one site, read from the symbolic shapes of its inputs."""
+    """K and V bytes (and a key bias's, ALiBi's) per position of one sequence at one site, read from the symbolic
+    shapes of its inputs."""
     shape = shape_of(tokens)
     assert shape is not None
     per_seq = shape[0] * shape[1]
@@ -396,6 +397,12 @@ def cache_bytes_per_token(site_node: fx.Node, tokens: fx.Node) -> int | None:
         if not count.is_Integer:
             return None
         total += int(count) * val.element_size()
+    bias, q = meta_value(site_node.kwargs.get("key_bias")), meta_value(site_node.args[0])
+    if isinstance(bias, torch.Tensor) and isinstance(q, torch.Tensor):  # a term per key, kept for q's heads
+        count = sympy.simplify(sympy.sympify(q.numel()) / sympy.sympify(per_seq * q.shape[-1]))
+        if not count.is_Integer:
+            return None
+        total += int(count) * bias.element_size()
     return total
 
 

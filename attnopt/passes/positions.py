@@ -277,6 +277,15 @@ class _Analysis:
             if s is None or self.axes(sink) not in ((), (len(s) - 2,)) or self.stretched(sink) or sink in self.folds:
                 raise _Refuse(f"has attention-sink logits of shape {list(s or [])} that are not one per query row")
             read.append(sink)
+        bias = node.kwargs.get("key_bias")
+        if isinstance(bias, fx.Node):  # a term per key (ALiBi): one per position along its last axis, as k's keys
+            s = shape_of(bias)
+            if s is None or len(s) < 2 or s[-2] != 1 or self.axes(bias) != (len(s) - 1,) or self.stretched(bias) \
+                    or bias in self.folds or len(shape_of(q) or ()) != 4:
+                raise _Refuse(f"adds a term of shape {list(s or [])} to the scores that is not one value per key "
+                              "computed from that key's position alone (the cache keeps such a term, ALiBi's, with "
+                              "the key)")
+            read.append(bias)
         return max((self.kind(x) for x in read), key=_ORDER.__getitem__)
 
     def function(self, node: fx.Node) -> str:
@@ -1351,7 +1360,7 @@ _RULES: dict[Any, Any] = {
     **{op: _same_layout for op in (
         _P.transpose, _P.permute, _P.unsqueeze, _P.squeeze, _P.t, _P.alias, _P.clone, _P.contiguous,
         _P.detach, _P._to_copy, _P.to, _P.type_as, _P.lift_fresh_copy, _P.view_as_complex, _P.view_as_real,
-        _P.expand, _P.expand_as, _P.real, _P.imag, _P.resolve_conj, _P.movedim, _P.swapaxes)},
+        _P.expand, _P.expand_as, _P.broadcast_to, _P.real, _P.imag, _P.resolve_conj, _P.movedim, _P.swapaxes)},
     _P.dropout: _dropout,
     **{op: _reshape for op in (_P.view, _P.reshape, _P._unsafe_view, _P.flatten, _P.unflatten)},
     _P.view_as: _view_as,

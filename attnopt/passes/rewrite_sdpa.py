@@ -125,6 +125,23 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     return mask
 
 
+def _emit_key_bias(graph: fx.Graph, m: Match) -> fx.Node:
+    """The sum of ``m.key_bias`` (added terms of one value per key, ``[..., 1, Tk]``) in the site's layout, as
+    method calls (``unflatten``, ``to``, ``mul``) that the KV cache's position proof reads as ATen ops. A factor
+    scales the term as written: ``(s + b) * f`` adds ``b * f``."""
+    out: fx.Node | None = None
+    for t in m.key_bias:
+        added = _relaid(graph, t.mask, t.relayout)
+        md = dtype_of(t.mask)
+        if md is not None and not md.is_floating_point and t.dtype is not None:
+            added = graph.call_method("to", (added, t.dtype))
+        if t.factor != 1.0:
+            added = graph.call_method("mul", (added, t.factor))
+        out = added if out is None else graph.call_method("add", (out, added))
+    assert out is not None
+    return out
+
+
 def _emit_filled(graph: fx.Graph, m: Match) -> fx.Node | None:
     """Where a ``masked_fill`` replaced the score, for additive masks that also add terms.
 
@@ -238,6 +255,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
             gm.add_submodule(name, site.train(gm.training))
             extra = {"filled": filled} if filled is not None else {}
             extra.update(kept_sink)
+            if m.key_bias:
+                extra["key_bias"] = _emit_key_bias(graph, m)
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor
             new = call = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)

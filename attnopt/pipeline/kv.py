@@ -19,9 +19,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..env import AUTO, parse_bytes
 from ..kernels.registry import get_candidate
+from ..passes.canon import meta_value
 from ..passes.find_sites import Match
 from ..passes.kv_capture import (
     cache_bytes_per_token,
@@ -33,6 +35,7 @@ from ..passes.kv_capture import (
     not_cacheable,
     resolve_max_len,
 )
+from ..passes.masks import Add, Fill
 from ..passes.positions import PositionError, analyse_positions, index_positions, offset_positions
 from ..passes.rewrite_sdpa import rewrite_sites
 from ..runtime.cached_lm import CachedLM, watch_model
@@ -41,6 +44,8 @@ from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
 from ..spec import LEFT_ALONE
 from .steps import find_in, matches, new_selector
+
+aten = torch.ops.aten
 
 
 def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False,
@@ -233,7 +238,7 @@ def _dynamic_batch(compiled: Any, sites: list[KVCacheAttention]) -> Any:
     def run(idx: torch.Tensor, offset: Any) -> torch.Tensor:
         mark(idx, 0)
         for s in sites:
-            for t in (s.k_cache, s.v_cache):
+            for t in (s.k_cache, s.v_cache, s.b_cache):
                 if t is not None:
                     mark(t, 0)
         return compiled(idx, offset)
@@ -280,13 +285,16 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
             plan = m.mask
             m.spec = replace(m.spec, causal=plan.causal, window=plan.window, conditions=len(plan.conditions),
                              mask=plan.kind)
-        why = not_cacheable(m.spec)
-        if why is not None and m.spec.causal is None and m.spec.mask != "none":
-            check = mask_check(gm, m, tokens, min(8, declared or 8), probe)  # causal? a window?
-            if isinstance(check, MaskCheck):
-                why, checks = not_cacheable(m.spec, mask_checked=True), [*checks, check]
-            else:
-                why = f"{why[:-1]}: {check})"
+        why, check = _why_not(gm, m, tokens, declared, probe)
+        as_found = (m.mask, m.spec)
+        if why is not None and _set_key_bias_apart(m):  # not causal as a whole: causal once ALiBi's terms are apart?
+            why_apart, check = _why_not(gm, m, tokens, declared, probe)
+            if why_apart is None:
+                why = None
+            else:  # the reason as the attention was written
+                (m.mask, m.spec), m.key_bias = as_found, []
+        if check is not None:
+            checks.append(check)
         if why is None:
             chosen.append(m)
         else:
@@ -294,6 +302,75 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
             for n in m.internal:
                 notes[n] = f"it belongs to the attention {m.record.name} ({where}), which {why}"
     return chosen, notes, checks
+
+
+def _why_not(gm: fx.GraphModule, m: Match, tokens: fx.Node, declared: int | None, probe: int
+             ) -> tuple[str | None, MaskCheck | None]:
+    """Why the cache cannot serve ``m`` (None: it can), and the mask check that showed its mask causal."""
+    why = not_cacheable(m.spec)
+    if why is not None and m.spec.causal is None and m.spec.mask != "none":
+        check = mask_check(gm, m, tokens, min(8, declared or 8), probe)  # causal? a window?
+        if isinstance(check, MaskCheck):
+            why = not_cacheable(m.spec, mask_checked=True)
+            return why, check if why is None else None
+        why = f"{why[:-1]}: {check})"
+    return why, None
+
+
+def _set_key_bias_apart(m: Match) -> bool:
+    """Move the added mask terms of one value per key (``[..., 1, Tk]``: ALiBi's ``slope * j``, BLOOM's and
+    Falcon's) from ``m.mask`` to ``m.key_bias`` (True when there were any), for a mask not causal as a whole.
+
+    ``scores + bias + causal`` with such a ``bias`` is causal attention whose every key carries its own term: the
+    KV cache keeps the term with the key (written once at its position, like the key) and adds it to the scores
+    over the cached keys. The other terms must still be causal on their own, which the mask check decides; the
+    position proof then reads the bias as it reads k (one value per position, from that position alone), and
+    refuses it otherwise (MPT's ALiBi, relative to the last key, changes with the length)."""
+    plan = m.mask
+    if plan.kind != "additive" or plan.causal is not None or m.spec.sink or m.score_mod is not None:
+        return False
+    per_key, rest = [], []
+    for t in plan.terms:
+        hidden = _hidden_key_bias(t)
+        if isinstance(t, Add) and _one_per_key(t.mask):
+            per_key.append(t)
+        elif hidden is not None:  # the term per key with the mask filled into it: both, apart
+            per_key.append(hidden[0])
+            rest.append(hidden[1])
+        else:
+            rest.append(t)
+    if not per_key:
+        return False
+    m.key_bias = per_key
+    m.mask = replace(plan, terms=rest, kind="additive" if rest else "none")
+    m.spec = replace(m.spec, mask=m.mask.kind)
+    return True
+
+
+def _hidden_key_bias(t: Any) -> tuple[Add, Fill] | None:
+    """``t`` adds ``masked_fill(b, hide, -inf)`` (or the dtype's minimum) with ``b`` one value per key (Falcon's
+    ALiBi folded into its causal mask): as the term ``b`` and the fill ``hide``. Both hide the same keys
+    (``s + min`` and ``min`` weigh nothing next to a kept key) and add ``b`` to the others."""
+    if not isinstance(t, Add) or t.relayout or t.mask.op != "call_function" \
+            or t.mask.target not in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        return None
+    bias, hide, value = t.mask.args[:3]
+    value = meta_value(value) if isinstance(value, fx.Node) else value
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 and not isinstance(value, torch._subclasses.FakeTensor) else None
+    val = meta_value(bias) if isinstance(bias, fx.Node) else None
+    if not isinstance(bias, fx.Node) or not _one_per_key(bias) or not isinstance(val, torch.Tensor) \
+            or not isinstance(value, float) or not (value == float("-inf") or value <= torch.finfo(val.dtype).min):
+        return None
+    return Add(bias, t.factor, t.dtype), Fill(hide, value, dtype=t.dtype)
+
+
+def _one_per_key(node: fx.Node) -> bool:
+    """``node`` is shaped ``[..., 1, Tk]`` with ``Tk`` the sequence length (not a number), a value per key."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not val.is_floating_point():
+        return False
+    return statically_known_true(val.shape[-2] == 1) and isinstance(val.shape[-1], torch.SymInt)
 
 
 def _with_left_alone(e: PositionError, found: list[Any]) -> PositionError:
@@ -329,7 +406,8 @@ def _probe(model: nn.Module, declared: int | None) -> int:
 _RELAYOUT_OPS = {"unflatten": torch.ops.aten.unflatten.int, "flatten": torch.ops.aten.flatten.using_ints,
                  "size": torch.ops.aten.sym_size.int, "unsqueeze": torch.ops.aten.unsqueeze.default,
                  "expand": torch.ops.aten.expand.default, "transpose": torch.ops.aten.transpose.int,
-                 "to": torch.ops.aten._to_copy.default, "mul": torch.ops.aten.mul.Tensor}
+                 "to": torch.ops.aten._to_copy.default, "mul": torch.ops.aten.mul.Tensor,
+                 "add": torch.ops.aten.add.Tensor}
 
 
 def relaid_as_aten(gm: fx.GraphModule, site_nodes: list[fx.Node]) -> None:
@@ -412,6 +490,7 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
         old: AttentionSite = gm.get_submodule(str(node.target))  # type: ignore[assignment]
         q, k, v, _mask, scale = node.args[:5]
         scale_tensor, sink = node.kwargs.get("scale_tensor"), node.kwargs.get("sink")
+        key_bias = node.kwargs.get("key_bias")
         if scale_tensor is not None:  # multiplies the scores: folded into q (``mul``, made ATen by relaid_as_aten)
             with graph.inserting_before(node):
                 q = graph.call_method("mul", (q, scale_tensor))
@@ -423,10 +502,14 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
         site.score_mod = old.score_mod
         site.window = windows.get(old.site_name, site.window)
         site.sink_lse = bool(node.kwargs.get("sink_lse", False))
+        site.keeps_key_bias = key_bias is not None
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)
         with graph.inserting_before(node):
-            new = graph.call_module(name, (q, k, v, scale, offset), {"sink": sink} if sink is not None else {})
+            extra = {} if sink is None else {"sink": sink}
+            if key_bias is not None:
+                extra["key_bias"] = key_bias
+            new = graph.call_module(name, (q, k, v, scale, offset), extra)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels.bands import band_pattern, window_keep
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, PositionError
 from .dispatch import DispatchingSite, candidate_layout
 from .guards import is_fake, profiler_records
 from .sinks import sink_operands
@@ -89,6 +89,10 @@ class KVCacheAttention(DispatchingSite):
         self.bytes_per_token: int | None = None  # K and V bytes per position of one sequence (set by cached())
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        #: a term per key added to the scores (ALiBi), ``(..., capacity)`` with q's dims before ``t``: kept with
+        #: the keys, at the same slots (see :meth:`forward`)
+        self.b_cache: torch.Tensor | None = None
+        self.keeps_key_bias = False  # the graph passes ``key_bias`` (set by ``cached()``)
         self.score_mod: Any = None  # an elementwise score modifier (``spec.ElementwiseScoreMod``): reads no index
         #: the sink is read as ``sigmoid(logsumexp(s) - sink)`` (Granite-SWA): ``+inf`` as the largest finite logit
         self.sink_lse = False
@@ -102,20 +106,28 @@ class KVCacheAttention(DispatchingSite):
         return f"{self.site_name}: capacity={self.capacity}, {self.candidate}, {self.spec.describe()}"
 
     def reset(self) -> None:
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self.b_cache = None
 
     @property
     def cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.v_cache, self.b_cache) if t is not None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
-                offset: int | Rows, sink: torch.Tensor | None = None) -> torch.Tensor:
+                offset: int | Rows, sink: torch.Tensor | None = None, key_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """``sink``: an attention sink's logits, ``(..., t, 1)`` broadcast to q's rows (gpt-oss): one more key per
-        row whose score is the sink and whose value is zero, added to the cached keys at every call."""
+        row whose score is the sink and whose value is zero, added to the cached keys at every call.
+
+        ``key_bias``: a term per new key, ``(..., 1, t)`` broadcast to q's dims before ``t`` (ALiBi's ``slope * j``),
+        added to every score of that key. It is kept with the key and added over the cached keys at every call.
+        It must be finite: a key hidden by ``-inf`` there would leave rows with every key hidden, which the model
+        as written makes NaN and a fused kernel may not; such a call raises ``PositionError``."""
         kwargs = dict(dropout_p=0.0, scale=self.spec.scale if scale is None else float(scale),
                       enable_gqa=self.spec.gqa)
         if sink is not None:
             kwargs["sink"] = sink.expand(*q.shape[:-1], 1)
+        if key_bias is not None:
+            kwargs["key_bias"] = _finite_bias(key_bias, self.site_name).expand(*q.shape[:-2], 1, q.size(-2))
         if isinstance(offset, Rows):
             out = self._rows(q, k, v, offset, kwargs)
         elif self.window is None:
@@ -130,6 +142,10 @@ class KVCacheAttention(DispatchingSite):
                 causal: bool, kwargs: dict) -> torch.Tensor:
         kwargs = dict(kwargs)
         sink = kwargs.pop("sink", None)
+        bias = kwargs.pop("key_bias", None)
+        if bias is not None:  # the keys' own terms (..., K), over the kept keys only
+            assert bias.dim() == q.dim() - 1, "key_bias reaches _attend as the cached keys' terms (..., K)"
+            mask, causal = _biased(bias, mask, causal, q.size(-2)), False
         q, keys, values, lead = candidate_layout(q, keys, values)
         if mask is not None:
             mask = mask.reshape((1,) * max(0, 4 - mask.dim()) + mask.shape)
@@ -150,20 +166,28 @@ class KVCacheAttention(DispatchingSite):
             out = self.run_candidate(q, keys, values, kwargs)
         return out.reshape(out.shape[lead:]) if lead else out
 
-    def _allocate(self, k: torch.Tensor, v: torch.Tensor, lead: tuple[int, ...], zeros: bool) -> None:
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor, lead: tuple[int, ...], zeros: bool,
+                  bias: torch.Tensor | None = None) -> None:
+        """The K/V caches; with ``bias`` (the keys' terms, ``(..., 1, t)``), its cache ``(..., capacity)``."""
         new = torch.zeros if zeros else torch.empty
         self.k_cache = new((*lead, self.capacity, k.size(-1)), dtype=k.dtype, device=k.device)
         self.v_cache = new((*lead, self.capacity, v.size(-1)), dtype=v.dtype, device=v.device)
+        self.b_cache = None if bias is None else \
+            new((*bias.shape[:-2], self.capacity), dtype=bias.dtype, device=bias.device)
 
     def _prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, kwargs: dict) -> torch.Tensor:
         """Every position kept: write at ``offset``, attend over ``cache[:offset + t]`` aligned bottom-right."""
         t = q.size(-2)
         end = offset + t
         if self.k_cache is None or offset == 0:
-            self._allocate(k, v, k.shape[:-2], zeros=False)
+            self._allocate(k, v, k.shape[:-2], zeros=False, bias=kwargs.get("key_bias"))
         assert self.k_cache is not None and self.v_cache is not None
         self.k_cache[..., offset:end, :] = k
         self.v_cache[..., offset:end, :] = v
+        if "key_bias" in kwargs:
+            b = self._bias_cache()
+            b[..., offset:end] = kwargs["key_bias"][..., 0, :]
+            kwargs = dict(kwargs, key_bias=b[..., :end])
         mask = None
         if 1 < t < end:  # several new tokens after a prefix: query i sees keys <= offset + i
             mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(diagonal=offset)
@@ -178,23 +202,31 @@ class KVCacheAttention(DispatchingSite):
         assert w is not None
         end = offset + t
         if self.k_cache is None or offset == 0:
-            self._allocate(k, v, k.shape[:-2], zeros=True)
+            self._allocate(k, v, k.shape[:-2], zeros=True, bias=kwargs.get("key_bias"))
         assert self.k_cache is not None and self.v_cache is not None
+        new_bias = kwargs["key_bias"][..., 0, :] if "key_bias" in kwargs else None
         if t == 1 and offset > 0:
             # the slot written held position offset - capacity, outside the window (capacity >= w or = max_len)
             self.k_cache[..., offset % cap, :] = k[..., 0, :]
             self.v_cache[..., offset % cap, :] = v[..., 0, :]
             n = min(end, cap)  # every held slot is in the window: no mask, order is irrelevant to attention
+            if new_bias is not None:
+                self._bias_cache()[..., offset % cap] = new_bias[..., 0]
+                kwargs = dict(kwargs, key_bias=self._bias_cache()[..., :n])
             return self._attend(q, self.k_cache[..., :n, :], self.v_cache[..., :n, :], None, False, kwargs)
         at = torch.arange(offset, end, device=q.device)[None, :]
         if offset == 0:  # the prompt attends to its own keys
             keys, values = k, v
             mask = None if t <= w else window_keep(t, t, w, q.device)
+            if new_bias is not None:
+                kwargs = dict(kwargs, key_bias=new_bias)
         else:  # several tokens after a prefix: the ring's keys, then the new ones (written after attending)
             held, valid = _slot_positions(torch.tensor([offset], device=q.device), cap, cap)
             keys, values = torch.cat((self.k_cache, k), dim=-2), torch.cat((self.v_cache, v), dim=-2)
             mask = _window_keep(at, torch.cat((held, at), 1), torch.cat((valid, torch.ones_like(at, dtype=torch.bool)),
                                                                          1), w)[0]
+            if new_bias is not None:
+                kwargs = dict(kwargs, key_bias=torch.cat((self._bias_cache(), new_bias), dim=-1))
         causal = False
         if t > 1 and mask is None:  # a branch: a plain bool while traced with dynamic shapes
             causal = True
@@ -203,6 +235,8 @@ class KVCacheAttention(DispatchingSite):
         slots = torch.arange(first, end, device=q.device) % cap
         self.k_cache[..., slots, :] = k[..., first - offset:, :]
         self.v_cache[..., slots, :] = v[..., first - offset:, :]
+        if new_bias is not None:
+            self._bias_cache()[..., slots] = new_bias[..., first - offset:]
         return out
 
     def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows, kwargs: dict) -> torch.Tensor:
@@ -211,15 +245,22 @@ class KVCacheAttention(DispatchingSite):
         q, k, v = (x.unflatten(-2, (r, t)).movedim(-3, 0) for x in (q, k, v))  # (R, ..., t, D)
         if "sink" in kwargs:  # the sink's logits, one per query row: laid out as q
             kwargs = dict(kwargs, sink=kwargs["sink"].unflatten(-2, (r, t)).movedim(-3, 0))
+        bias = None  # the keys' terms, (R, H, t): the slots' dims before t flattened, as q's below
+        if "key_bias" in kwargs:
+            bias = kwargs["key_bias"][..., 0, :].unflatten(-1, (r, t)).movedim(-2, 0)
+            bias = bias.reshape(r, -1, t)
         if self.k_cache is None or rows.fresh:
-            self._allocate(k, v, k.shape[:-2], zeros=True)  # unwritten slots hold zeros: masked, never NaN
+            # unwritten slots hold zeros: masked, never NaN
+            self._allocate(k, v, k.shape[:-2], zeros=True, bias=None if bias is None else bias[..., None, :])
         assert self.k_cache is not None and self.v_cache is not None
         b, i = rows.real.nonzero(as_tuple=True)
         if w is None or t == 1:  # writing first overwrites no key this call attends (capacity >= w)
-            self._write(k, v, rows, b, i)
+            self._write(k, v, rows, b, i, bias)
             n = min(cap, int(rows.end.max()))
             keys, values = self.k_cache[..., :n, :], self.v_cache[..., :n, :]
             mask = rows.mask(("after", cap, w), lambda: _window_keep(rows.at, *_slot_positions(rows.end, n, cap), w))
+            if bias is not None:
+                kwargs = dict(kwargs, key_bias=self._bias_cache()[..., :n])
         else:  # a window and several tokens: attend to the ring and the new keys, then write
             if rows.fresh:
                 keys, values, kv_rows = k, v, (rows.at, rows.real)
@@ -228,6 +269,8 @@ class KVCacheAttention(DispatchingSite):
                 held, valid = _slot_positions(rows.start, cap, cap)
                 kv_rows = (torch.cat((held, rows.at), 1), torch.cat((valid, rows.real), 1))
             mask = rows.mask(("before", cap, w), lambda: _window_keep(rows.at, *kv_rows, w))
+            if bias is not None:
+                kwargs = dict(kwargs, key_bias=bias if rows.fresh else torch.cat((self._bias_cache(), bias), dim=-1))
         shape = q.shape
         if q.dim() > 4:  # (R, 1, H, t, D): the dims before the heads into the rows
             q, keys, values = (x.reshape(-1, *x.shape[-3:]) for x in (q, keys, values))
@@ -238,15 +281,46 @@ class KVCacheAttention(DispatchingSite):
         out = out.reshape(*shape[:-1], out.size(-1))
         if w is not None and t > 1:
             stay = rows.at[b, i] >= (rows.end[b] - cap)  # only the last ``capacity`` positions of a row stay
-            self._write(k, v, rows, b[stay], i[stay])
+            self._write(k, v, rows, b[stay], i[stay], bias)
         return out.movedim(0, -3).flatten(-3, -2)  # (..., R * t, D)
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, b: torch.Tensor, i: torch.Tensor) -> None:
-        """Slots ``i`` of rows ``b`` (``k``, ``v``: ``(R, ..., t, D)``) into their rows' cache slots."""
+    def _write(self, k: torch.Tensor, v: torch.Tensor, rows: Rows, b: torch.Tensor, i: torch.Tensor,
+               bias: torch.Tensor | None = None) -> None:
+        """Slots ``i`` of rows ``b`` (``k``, ``v``: ``(R, ..., t, D)``; ``bias``: ``(R, H, t)``) into their rows'
+        cache slots."""
         assert self.k_cache is not None and self.v_cache is not None
         slot = rows.at[b, i] % self.capacity
         self.k_cache[b, ..., slot, :] = k[b, ..., i, :]
         self.v_cache[b, ..., slot, :] = v[b, ..., i, :]
+        if bias is not None:
+            self._bias_cache()[b, :, slot] = bias[b, :, i]
+
+    def _bias_cache(self) -> torch.Tensor:
+        assert self.b_cache is not None, "the key-bias cache is allocated with the K/V caches"
+        return self.b_cache
+
+
+def _finite_bias(bias: torch.Tensor, site: str) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        torch._assert_async(torch.isfinite(bias).all(), f"the key bias of {site} is not finite")
+    elif not bool(torch.isfinite(bias).all()):
+        raise PositionError(f"the term {site} adds per key (its key bias, e.g. ALiBi) is not finite at this call: a "
+                            "key it hides with -inf could leave a row with no key, which the model as written "
+                            "makes NaN; the cache serves finite key terms only")
+    return bias
+
+
+def _biased(bias: torch.Tensor, keep: torch.Tensor | None, causal: bool, t: int) -> torch.Tensor:
+    """The additive mask ``(..., t, K)`` that adds each key's term ``bias`` ``(..., K)`` to the kept keys: those of
+    the bool ``keep`` (broadcast to ``(..., t, K)``), of the causal pattern (``causal``: ``t == K``), or all."""
+    scores = bias[..., None, :]
+    if causal:
+        keep = torch.ones(t, bias.size(-1), dtype=torch.bool, device=bias.device).tril(bias.size(-1) - t)
+    if keep is None:
+        return scores
+    if keep.dim() == 3 and bias.dim() == 3:  # a ragged batch's (R, t, K) keep-mask against (R, H, K) terms
+        keep = keep[:, None]
+    return scores.masked_fill(~keep, float("-inf"))
 
 
 class MaskCheck:

@@ -1,0 +1,188 @@
+"""Key biases in the KV cache: a term per key added to the scores (ALiBi's ``slope * j``), kept with the keys.
+
+``scores + bias + causal`` with ``bias`` shaped ``(..., 1, T)``, one value per key computed from that key's
+position (and token) alone, is causal attention whose every key carries its own term. The cache writes the term
+at the key's position, as it writes the key, and adds the cached terms to the scores at every call. Covered:
+
+* the term added before the mask, folded into it (``masked_fill(bias, ~tril, -inf)``, Falcon's), scaled after
+  the sum (``(s + b) * f``), per head folded into the batch (``baddbmm(bias, q, k^T)``, BLOOM's);
+* a term read from a key's own token (a learnt gate per key), in a sliding window, in ragged batches;
+* Hugging Face BLOOM and Falcon with ALiBi;
+* refused: a term relative to the last key (MPT's ``slope * (j - T + 1)``), a term per query and key
+  (``slope * (j - i)``), a term per key that is not finite at a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+from test_generation_spellings import V, assert_cached_exactly
+
+from attnopt.generation import PositionError, cached, generate, generate_plain
+
+C, H = 16, 4
+D = C // H
+
+
+def slopes(h: int) -> torch.Tensor:
+    return torch.tensor([2.0 ** (-8 * (i + 1) / h) for i in range(h)])
+
+
+class Alibi(nn.Module):
+    """A GPT with ALiBi (no position table): ``how`` picks the spelling of the bias."""
+
+    def __init__(self, how: str = "add", block_size: int = 24, window: int | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how, self.window = how, window
+        self.config = types.SimpleNamespace(block_size=block_size)  # nanoGPT's: no position table to read it from
+        self.wte = nn.Embedding(V, C)
+        self.qkv, self.proj, self.head = nn.Linear(C, 3 * C), nn.Linear(C, C), nn.Linear(C, V)
+        self.gate = nn.Linear(C, H)
+        self.register_buffer("slopes", slopes(H))
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)))
+        self.register_buffer("table", torch.arange(block_size, dtype=torch.float32))
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        keep = self.bias[:T, :T]
+        if self.window is not None:
+            i = torch.arange(T, device=idx.device)
+            keep = keep & (i[None, :] > i[:, None] - self.window)
+        pos = torch.arange(T, device=idx.device, dtype=torch.float32)
+        alibi = self.slopes[:, None, None] * pos  # (H, 1, T): one value per key
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+        if self.how == "add":
+            att = (s + alibi).masked_fill(~keep, float("-inf"))
+        elif self.how == "mask_first":
+            att = s.masked_fill(~keep, float("-inf")) + alibi
+        elif self.how == "folded":  # the term with the causal mask filled into it, then added
+            att = s + torch.masked_fill(alibi, ~keep, torch.finfo(s.dtype).min)
+        elif self.how == "scaled":  # (s + b) * f
+            att = ((q @ k.transpose(-2, -1) + alibi) * (1 / math.sqrt(D))).masked_fill(~keep, float("-inf"))
+        elif self.how == "table":  # a term read from a position table
+            att = (s + self.slopes[:, None, None] * self.table[:T]).masked_fill(~keep, float("-inf"))
+        elif self.how == "gate":  # a term from each key's own token
+            g = torch.sigmoid(self.gate(x)).transpose(1, 2)[:, :, None, :]  # (B, H, 1, T)
+            att = (s + g * alibi).masked_fill(~keep, float("-inf"))
+        elif self.how == "from_end":  # MPT's: relative to the last key, changes with the length
+            att = (s + self.slopes[:, None, None] * (pos - (T - 1))).masked_fill(~keep, float("-inf"))
+        elif self.how == "relative":  # per query and key: (T, T)
+            rel = (pos[None, :] - pos[:, None]).clamp(max=0)
+            att = (s + self.slopes[:, None, None] * rel).masked_fill(~keep, float("-inf"))
+        else:
+            raise ValueError(self.how)
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+        return self.head(x + self.proj(y))
+
+
+class Bloomish(Alibi):
+    """BLOOM's layout: heads folded into the batch, the term tiled per batch row, ``baddbmm(bias, q, k^T)``."""
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2).reshape(B * H, T, D) for t in self.qkv(x).split(C, 2))
+        alibi = (self.slopes[:, None, None] * torch.arange(T, device=idx.device)).repeat(B, 1, 1)  # (B*H, 1, T)
+        s = alibi.baddbmm(q, k.transpose(-1, -2), beta=1.0, alpha=1 / math.sqrt(D)).view(B, H, T, T)
+        mask = torch.zeros(T, T).masked_fill(~self.bias[:T, :T], torch.finfo(torch.float32).min)
+        p = torch.softmax(s + mask, dim=-1).view(B * H, T, T)
+        y = torch.bmm(p, v).view(B, H, T, D).transpose(1, 2).reshape(B, T, C)
+        return self.head(x + self.proj(y))
+
+
+@pytest.mark.parametrize("how", ["add", "mask_first", "folded", "scaled", "table", "gate"])
+def test_a_term_per_key_is_cached_exactly(how):
+    lm = assert_cached_exactly(Alibi(how).eval())
+    assert all(s.keeps_key_bias for s in lm.sites)
+    assert "a term per key (ALiBi) kept with the keys" in lm.describe()
+
+
+def test_the_term_matters():
+    """The same model without its term gives other logits: the cache is not exact by leaving it out."""
+    model = Alibi("add").eval()
+    idx = torch.randint(0, V, (1, 12))
+    with torch.no_grad():
+        full = model(idx)
+        model.slopes.zero_()
+        assert not torch.allclose(full, model(idx), atol=1e-4)
+
+
+def test_bloom_layout_heads_folded_into_the_batch():
+    assert_cached_exactly(Bloomish().eval())
+
+
+def test_a_term_per_key_in_a_sliding_window():
+    """The ring cache keeps each key's term in its key's slot: past the window, on one step and on several."""
+    model = Alibi("add", window=3).eval()
+    lm = assert_cached_exactly(model)
+    assert [s.window for s in lm.sites] == [3]
+    idx = torch.randint(0, V, (2, 4))
+    assert torch.equal(generate(lm, idx, 14), generate_plain(model, idx, 14))
+
+
+def test_the_cache_counts_the_terms_bytes():
+    lm = cached(Alibi("add").eval())
+    # K and V: 2 * H * D float32 per position; the term: one float32 per head
+    assert lm.bytes_per_token == (2 * H * D + H) * 4
+
+
+@pytest.mark.parametrize("how,why", [
+    ("from_end", "uses the sequence length"),
+    ("relative", "not proven to be causal"),
+])
+def test_terms_that_are_not_one_per_key_are_refused(how, why):
+    with pytest.raises(PositionError, match=why):
+        cached(Alibi(how).eval())
+
+
+def test_a_term_that_is_not_finite_raises_at_the_call():
+    """A key hidden by ``-inf`` in its term could leave a row without keys (NaN as written): the call raises."""
+    model = Alibi("table").eval()
+    lm = cached(model)
+    model.table[5] = float("-inf")  # written in place: the cached graph reads the same table
+    idx = torch.randint(0, V, (1, 4))
+    lm.prefill(idx)
+    with pytest.raises(PositionError, match="not finite"):
+        lm.step(torch.randint(0, V, (1, 3)))
+
+
+def _hf(name: str):
+    transformers = pytest.importorskip("transformers")
+    if name == "bloom":
+        cfg = transformers.BloomConfig(vocab_size=V, hidden_size=C, n_layer=2, n_head=H,
+                                       attn_implementation="eager")
+        cls = transformers.BloomForCausalLM
+    else:
+        cfg = transformers.FalconConfig(vocab_size=V, hidden_size=C, num_hidden_layers=2, num_attention_heads=H,
+                                        alibi=True, multi_query=True, attn_implementation="eager",
+                                        max_position_embeddings=24)
+        cls = transformers.FalconForCausalLM
+    torch.manual_seed(0)
+    return cls(cfg).eval()
+
+
+@pytest.mark.parametrize("name", ["bloom", "falcon"])
+def test_hugging_face_alibi_models(name):
+    model = _hf(name)
+    with pytest.raises(ValueError, match="max_len") if name == "bloom" else contextlib.nullcontext():
+        cached(model)  # BLOOM names no maximum length: ALiBi has no position table
+    lm = cached(model, max_len=24)
+    assert all(s.keeps_key_bias for s in lm.sites)
+    idx = torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        seq = torch.cat((idx, idx[:, :3]), 1)
+        full = model(seq).logits
+        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))
+    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
+    alone = [generate_plain(model, p[None], 8)[0] for p in prompts]
+    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), alone))
