@@ -397,6 +397,50 @@ def test_writes_in_place_through_a_view_are_not_missed(how, why):
         cached(InPlace(how).eval())
 
 
+class HiddenAlias(Base):
+    """Ops whose result is a view their schema does not declare (``einsum("vc->vc", t)``, ``_unsafe_view``): a
+    write through one reaches the tensor viewed; and a scale computed from the length as a plain number."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("tab", torch.randn(V, C) * 0.3)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.embed(idx)
+        if self.how in ("einsum", "unsafe_view"):
+            tab = self.tab * 1.0  # made in forward, then written through a view no schema declares
+            d = torch.einsum("vc->vc", tab) if self.how == "einsum" else torch.ops.aten._unsafe_view(tab, [V, C])
+            d[:T].add_(x.mean(0))  # rows 0..T-1 of tab: position t's data, read below by token id
+            x = x + nn.functional.embedding(idx, tab)
+        elif self.how == "buffer":
+            torch.einsum("vc->vc", self.tab)[:T].mul_(0.5)  # the buffer itself, at every call
+            x = x + nn.functional.embedding(idx, self.tab)
+        return self.block(x)
+
+    def attend(self, q, k, v):
+        if self.how != "length-scale":
+            return super().attend(q, k, v)
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) / torch.sym_max(T, 8)  # the same at every length the probe runs (< 8)
+        return att.masked_fill(~self.bias[:T, :T], float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("how, why", [
+    ("einsum", r"aten.add_ at test_generation_spellings.py:\d+ writes in place into a view of another tensor"),
+    ("unsafe_view", r"aten.add_ at test_generation_spellings.py:\d+ writes in place into a view of another tensor"),
+    ("buffer", r"writes its buffers or parameters \(tab\)"),
+    ("length-scale", r"uses the sequence length \(in `\w+`\) as a value"),
+])
+def test_aliases_no_schema_declares_and_a_scale_from_the_length_are_refused(how, why):
+    model = HiddenAlias(how).eval()
+    before = model.tab.clone()
+    with pytest.raises(PositionError, match=why):
+        cached(model)
+    assert torch.equal(model.tab, before)  # refused before any run of the model
+
+
 class RaisesShort(Base):
     def forward(self, idx):
         B, T = idx.shape

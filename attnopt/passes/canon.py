@@ -971,6 +971,12 @@ def _overload_fresh(op: Any) -> bool | None:
     return not composite
 
 
+def returns_fresh(op: Any) -> bool:
+    """``op`` (an ATen overload) provably returns new tensors: not an alias of an input, whatever its schema
+    says (``einsum("ij->ij", x)`` and ``_unsafe_view`` return views their schemas do not declare)."""
+    return isinstance(op, torch._ops.OpOverload) and _overload_fresh(op) is True
+
+
 def _aten_fresh(name: str) -> bool:
     """Every tensor overload of ``aten::<name>`` returns new tensors."""
     key = ("aten", name)

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from ..runtime.kv_cache import MaskCheck
 from ..spec import AttentionSpec
-from .canon import may_alias, meta_value, shape_of, writes
+from .canon import may_alias, meta_value, returns_fresh, shape_of, writes
 from .find_sites import Match
 from .masks import Add
 from .positions import PositionError, PositionPlan
@@ -261,12 +261,19 @@ def written_state(graph: fx.Graph) -> list[str]:
 
 
 def _is_view(node: fx.Node) -> bool:
-    """An ATen op whose result aliases its input (its schema says so) and writes nothing."""
+    """An ATen op whose result may alias its input and that writes nothing: its schema says so, or it is an op of
+    one tensor whose schema promises nothing (``einsum("ij->ij", x)``, ``_unsafe_view``, ``contiguous``: each
+    may return its input or a view of it)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     schema = target._schema
-    return any(r.alias_info is not None for r in schema.returns) and not schema.is_mutable
+    if schema.is_mutable:
+        return False
+    if any(r.alias_info is not None for r in schema.returns):
+        return True
+    tensors = [n for n in node.all_input_nodes if isinstance(meta_value(n), torch.Tensor)]
+    return len(tensors) == 1 and not returns_fresh(target)
 
 
 def _mask_of_ones(model: nn.Module, graph: fx.Graph, placeholders: list[fx.Node]) -> None:

@@ -56,7 +56,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from ..spec import PositionError, Refusal
-from .canon import meta_value, mutated, shape_of
+from .canon import meta_value, mutated, returns_fresh, shape_of
 from .find_sites import place_of
 from .masks import same
 
@@ -107,6 +107,22 @@ def _expr(x: Any) -> Any:
 def _involves(x: Any, seq: sympy.Expr) -> bool:
     e = _expr(x)
     return isinstance(e, sympy.Basic) and seq in e.free_symbols
+
+
+def _computed_from_length(x: Any, seq: sympy.Expr) -> bool:
+    """``x`` is a node with no recorded value (a number the rewrite computes, ``operator.truediv(0.35, T)``: a
+    site's run-time scale) whose inputs, followed through such nodes, involve the length."""
+    todo, seen = [x], set()
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n is not x and _involves(n, seq):
+            return True
+        if meta_value(n) is None:
+            todo.extend(n.all_input_nodes)
+    return False
 
 
 def _is_seq(x: Any, seq: sympy.Expr) -> bool:
@@ -194,8 +210,9 @@ class _Analysis:
 
     def no_length(self, values: Any) -> None:
         for s in _flat(values):
-            if _involves(s, self.seq):
-                raise _Refuse(f"uses the sequence length ({_expr(s)}) as a value, so its result depends on how "
+            if _involves(s, self.seq) or _computed_from_length(s, self.seq):
+                shown = _expr(s) if _involves(s, self.seq) else f"in `{s.name}`"
+                raise _Refuse(f"uses the sequence length ({shown}) as a value, so its result depends on how "
                               "many tokens are processed at once")
 
     # -- the walk
@@ -486,8 +503,8 @@ def _private_view(node: fx.Node, view: fx.Node) -> bool:
         cur = cur.args[0]
         if not isinstance(cur, fx.Node) or len(cur.users) != 1:
             return False
-    return cur.op == "call_function" and isinstance(cur.target, torch._ops.OpOverload) \
-        and not cur.target._schema.is_mutable
+    # a view whose schema does not say so (einsum, ``_unsafe_view``) would carry the write to its input
+    return cur.op == "call_function" and returns_fresh(cur.target) and not cur.target._schema.is_mutable
 
 
 def _written_view(node: fx.Node) -> fx.Node | None:
