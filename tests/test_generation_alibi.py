@@ -143,15 +143,52 @@ def test_terms_that_are_not_one_per_key_are_refused(how, why):
         cached(Alibi(how).eval())
 
 
-def test_a_term_that_is_not_finite_raises_at_the_call():
-    """A key hidden by ``-inf`` in its term could leave a row without keys (NaN as written): the call raises."""
+@pytest.mark.parametrize("value", [float("-inf"), torch.finfo(torch.float32).min, torch.finfo(torch.float32).max,
+                                   float("nan")])
+def test_a_term_not_finite_or_near_the_dtypes_range_raises_at_the_call(value):
+    """A key hidden by ``-inf`` in its term could leave a row without keys (NaN as written); a finite term near
+    the dtype's range could cancel the mask's minimum (``s + max + min``: a future key seen as written) or match
+    it on every kept key. The call that writes such a term raises."""
     model = Alibi("table").eval()
     lm = cached(model)
-    model.table[5] = float("-inf")  # written in place: the cached graph reads the same table
+    model.table[5] = value  # written in place: the cached graph reads the same table (and slopes, set to 1)
+    model.slopes.fill_(1.0)
     idx = torch.randint(0, V, (1, 4))
     lm.prefill(idx)
-    with pytest.raises(PositionError, match="not finite"):
+    with pytest.raises(PositionError, match="not finite or not within"):
         lm.step(torch.randint(0, V, (1, 3)))
+
+
+class TokenGated(Alibi):
+    """The term of keys whose token is 7 is the dtype's minimum (on every kept key of a row of 7s, the scores
+    as written are the minimum everywhere, future keys included: the row spreads over them)."""
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        alibi = self.slopes[:, None, None] * torch.arange(T, device=idx.device, dtype=torch.float32)
+        low = torch.finfo(torch.float32).min
+        term = torch.where((idx == 7)[:, None, None, :], low, alibi)  # (B, H, 1, T)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+        att = s + torch.masked_fill(term, ~self.bias[:T, :T], low)
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+        return self.head(x + self.proj(y))
+
+
+def test_a_term_from_a_token_at_the_dtypes_minimum_raises():
+    model = TokenGated().eval()
+    idx = torch.tensor([[7, 7, 7, 13, 9]])
+    with torch.no_grad():
+        as_written = model(idx)
+    try:
+        lm = cached(model)
+    except PositionError as e:  # the small-size probe may draw a 7 too
+        assert "not finite or not within" in str(e)
+        return
+    with pytest.raises(PositionError, match="not finite or not within"):
+        got = lm.prefill(idx)
+        torch.testing.assert_close(got, as_written)  # reached only if the call did not raise: it must then agree
 
 
 def _hf(name: str):

@@ -120,14 +120,16 @@ class KVCacheAttention(DispatchingSite):
 
         ``key_bias``: a term per new key, ``(..., 1, t)`` broadcast to q's dims before ``t`` (ALiBi's ``slope * j``),
         added to every score of that key. It is kept with the key and added over the cached keys at every call.
-        It must be finite: a key hidden by ``-inf`` there would leave rows with every key hidden, which the model
-        as written makes NaN and a fused kernel may not; such a call raises ``PositionError``."""
+        It must be finite and within a quarter of its dtype's range (:func:`_bounded_bias`): a key hidden by
+        ``-inf`` there could leave a row with no key (NaN as written), and a term near the dtype's minimum or
+        maximum could cancel or match the model's mask fill; such a call raises ``PositionError``
+        (``RuntimeError`` from the compiled graph's assert with ``compile=True``)."""
         kwargs = dict(dropout_p=0.0, scale=self.spec.scale if scale is None else float(scale),
                       enable_gqa=self.spec.gqa)
         if sink is not None:
             kwargs["sink"] = sink.expand(*q.shape[:-1], 1)
         if key_bias is not None:
-            kwargs["key_bias"] = _finite_bias(key_bias, self.site_name).expand(*q.shape[:-2], 1, q.size(-2))
+            kwargs["key_bias"] = _bounded_bias(key_bias, self.site_name).expand(*q.shape[:-2], 1, q.size(-2))
         if isinstance(offset, Rows):
             out = self._rows(q, k, v, offset, kwargs)
         elif self.window is None:
@@ -300,13 +302,20 @@ class KVCacheAttention(DispatchingSite):
         return self.b_cache
 
 
-def _finite_bias(bias: torch.Tensor, site: str) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        torch._assert_async(torch.isfinite(bias).all(), f"the key bias of {site} is not finite")
-    elif not bool(torch.isfinite(bias).all()):
-        raise PositionError(f"the term {site} adds per key (its key bias, e.g. ALiBi) is not finite at this call: a "
-                            "key it hides with -inf could leave a row with no key, which the model as written "
-                            "makes NaN; the cache serves finite key terms only")
+def _bounded_bias(bias: torch.Tensor, site: str) -> torch.Tensor:
+    """``bias`` when every term is within a quarter of its dtype's largest value (ALiBi's are small), else the call
+    raises. The model hides future keys by adding ``-inf`` or the dtype's minimum; a term near that size could
+    cancel it (``s + max + min`` is ``s``: a future key seen) or match it on every kept key (a row as written
+    spread over future keys too), which the cache, attending to the kept keys only, would not compute. Within
+    the bound a hidden key stays hidden and a kept row keeps its keys, as written."""
+    bound = torch.finfo(bias.dtype).max / 4
+    if torch.compiler.is_compiling():  # an assert in the compiled graph: a RuntimeError when it fails
+        torch._assert_async((bias.abs() <= bound).all(), f"a key bias of {site} is not within +-{bound:g}")
+    elif not bool((bias.abs() <= bound).all()):
+        raise PositionError(f"the term {site} adds per key (its key bias, e.g. ALiBi) is not finite or not within "
+                            f"+-{bound:g} (a quarter of its dtype's range) at this call: a term that large could "
+                            "cancel the mask's -inf or minimum, which the model as written would then read and the "
+                            "cache would not; the cache serves key terms within that bound only")
     return bias
 
 
