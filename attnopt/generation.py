@@ -73,7 +73,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .passes.kv_capture import forward_kwargs, logits_of
+from .passes.kv_capture import NoMaxLen, forward_kwargs, logits_of
 from .passes.positions import PositionError
 from .pipeline.kv import cached
 from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens, left_pad, padding_of
@@ -96,19 +96,40 @@ def _code(model: nn.Module) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool) -> tuple[CachedLM, bool]:
+def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool, needed: int = 0
+            ) -> tuple[CachedLM, bool]:
     """The cached model of an earlier ``generate(model, ...)`` with these options if its code is the same, or
-    a new one; and whether it was reused (then a :class:`ModelChangedError` at prefill means: build again)."""
+    a new one; and whether it was reused (then a :class:`ModelChangedError` at prefill means: build again).
+
+    A model that names no maximum length (BLOOM: ALiBi has no position table) gets caches of ``needed`` positions
+    (the prompt and the new tokens) rounded up to a power of two, at least 64; a later call that needs more
+    builds it again, larger."""
     key, code = (max_len, variant, compile), _code(model)
     built = _REUSED.setdefault(model, {})
-    if key in built and built[key][0] == code:
+    if key in built and built[key][0] == code and not (built[key][1].max_len_source == _SIZED and
+                                                       needed > built[key][1].max_len):
         if built[key][1] not in _BUSY:
             return built[key][1], True
         # another stream decodes with the kept one (its caches hold that stream's sequences): a private one
-        return cached(model, max_len=max_len, variant=variant, compile=compile), False
-    lm = cached(model, max_len=max_len, variant=variant, compile=compile)
+        return _build(model, max_len, variant, compile, needed), False
+    lm = _build(model, max_len, variant, compile, needed)
     built[key] = (code, lm)
     return lm, False
+
+
+#: ``max_len_source`` of a cached model ``generate`` sized itself (the model names no maximum length).
+_SIZED = "sized by generate for the prompt and new tokens: the model names no maximum length"
+
+
+def _build(model: nn.Module, max_len: int | None, variant: str, compile: bool, needed: int) -> CachedLM:
+    try:
+        return cached(model, max_len=max_len, variant=variant, compile=compile)
+    except NoMaxLen:
+        if max_len is not None or needed < 1:
+            raise
+    lm = cached(model, max_len=max(64, 1 << (needed - 1).bit_length()), variant=variant, compile=compile)
+    lm.max_len_source = _SIZED
+    return lm
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -358,7 +379,7 @@ def _stream(model: nn.Module | CachedLM, batch: _Batch, max_new_tokens: int, sto
                              "build another with attnopt.generation.cached(model, max_len=...)")
         lm, reused = model, False
     else:
-        lm, reused = _reused(model, max_len, variant, compile)
+        lm, reused = _reused(model, max_len, variant, compile, batch.longest + max_new_tokens)
     _check_total(batch.longest, max_new_tokens, lm.max_len, lm.max_len_source)
     if max_new_tokens == 0:
         return
@@ -375,7 +396,7 @@ def _stream(model: nn.Module | CachedLM, batch: _Batch, max_new_tokens: int, sto
                 raise
             _REUSED[model].pop(key, None)  # the model changed since: capture it again
             _BUSY.discard(lm)
-            lm, _ = _reused(model, *key)  # type: ignore[arg-type]
+            lm, _ = _reused(model, *key, batch.longest + max_new_tokens)  # type: ignore[arg-type]
             _BUSY.add(lm)
             logits = lm.prefill(x, batch.mask)
         epoch = lm.epoch

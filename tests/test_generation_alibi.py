@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 from test_generation_spellings import V, assert_cached_exactly
 
+import attnopt
+from attnopt import generation
 from attnopt.generation import PositionError, cached, generate, generate_plain
 
 C, H = 16, 4
@@ -223,3 +225,18 @@ def test_hugging_face_alibi_models(name):
     prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
     alone = [generate_plain(model, p[None], 8)[0] for p in prompts]
     assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), alone))
+
+
+def test_generate_sizes_the_cache_of_a_model_with_no_maximum_length():
+    """``generate(model, ...)`` on a model that names no maximum length (BLOOM) sizes the caches for the prompt
+    and the new tokens (a power of two, at least 64), and builds them again, larger, for a longer call."""
+    model = _hf("bloom")
+    idx = torch.randint(0, V, (2, 5))
+    assert torch.equal(attnopt.generate(model, idx, 9), generate_plain(model, idx, 9))
+    first = generation._REUSED[model][(None, "sdpa", False)][1]
+    assert first.max_len == 64 and "names no maximum length" in first.max_len_source
+    assert torch.equal(attnopt.generate(model, idx, 4), generate_plain(model, idx, 4))
+    assert generation._REUSED[model][(None, "sdpa", False)][1] is first  # reused
+    long = torch.randint(0, V, (1, 70))
+    assert torch.equal(attnopt.generate(model, long, 3), generate_plain(model, long, 3))
+    assert generation._REUSED[model][(None, "sdpa", False)][1].max_len == 128

@@ -385,8 +385,13 @@ def resolve_max_len(requested: int | None, declared: int | None, plan: PositionP
         return declared, "the model's config"
     if tightest is not None:
         return tightest[1], tightest[0]
-    raise ValueError("could not find the model's maximum number of positions (no config.block_size / "
-                     "max_position_embeddings, position table or length check); pass max_len=")
+    raise NoMaxLen("could not find the model's maximum number of positions (no config.block_size / "
+                   "max_position_embeddings, position table or length check: ALiBi's BLOOM has none); pass max_len= "
+                   "(the longest prompt plus the tokens to generate, or more)")
+
+
+class NoMaxLen(ValueError):
+    """The model names no maximum number of positions, and none was given: the caches cannot be sized."""
 
 
 def cache_bytes_per_token(site_node: fx.Node, tokens: fx.Node) -> int | None:
