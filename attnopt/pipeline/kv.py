@@ -350,7 +350,8 @@ def _set_key_bias_apart(m: Match) -> bool:
 def _hidden_key_bias(t: Any) -> tuple[Add, Fill] | None:
     """``t`` adds ``masked_fill(b, hide, -inf)`` (or the dtype's minimum) with ``b`` one value per key (Falcon's
     ALiBi folded into its causal mask): as the term ``b`` and the fill ``hide``. Both hide the same keys
-    (``s + min`` and ``min`` weigh nothing next to a kept key) and add ``b`` to the others."""
+    (``s + min`` and ``min`` weigh nothing next to a kept key) and add ``b`` to the others, while ``b`` is far
+    from the dtype's range, which the cache checks at every call (``runtime.kv_cache._bounded_bias``)."""
     if not isinstance(t, Add) or t.relayout or t.mask.op != "call_function" \
             or t.mask.target not in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         return None
