@@ -227,6 +227,19 @@ def test_hugging_face_alibi_models(name):
     assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), alone))
 
 
+def test_bloom_in_bfloat16_keeps_its_terms_in_bfloat16():
+    """BLOOM casts its ALiBi term to the model's dtype: the cache keeps it in that dtype, and the cached logits
+    agree with the model's within bfloat16's tolerance."""
+    model = _hf("bloom").to(torch.bfloat16)
+    lm = cached(model, max_len=24)
+    idx = torch.randint(0, V, (2, 6))
+    with torch.no_grad():
+        full = model(idx).logits
+        got = torch.cat((lm.prefill(idx[:, :4]), lm.step(idx[:, 4:])), 1)
+    assert all(s.b_cache is not None and s.b_cache.dtype == torch.bfloat16 for s in lm.sites)
+    torch.testing.assert_close(got, full, atol=5e-2, rtol=5e-2)
+
+
 def test_generate_sizes_the_cache_of_a_model_with_no_maximum_length():
     """``generate(model, ...)`` on a model that names no maximum length (BLOOM) sizes the caches for the prompt
     and the new tokens (a power of two, at least 64), and builds them again, larger, for a longer call."""
