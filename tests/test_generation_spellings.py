@@ -414,8 +414,11 @@ class HiddenAlias(Base):
             d = torch.einsum("vc->vc", tab) if self.how == "einsum" else torch.ops.aten._unsafe_view(tab, [V, C])
             d[:T].add_(x.mean(0))  # rows 0..T-1 of tab: position t's data, read below by token id
             x = x + nn.functional.embedding(idx, tab)
-        elif self.how == "buffer":
-            torch.einsum("vc->vc", self.tab)[:T].mul_(0.5)  # the buffer itself, at every call
+        elif self.how in ("buffer", "buffer-type-as"):  # the buffer itself, written at every call
+            if self.how == "buffer":
+                torch.einsum("vc->vc", self.tab)[:T].mul_(0.5)
+            else:
+                self.tab.type_as(x).mul_(0.5)  # the same tensor when the dtypes agree
             x = x + nn.functional.embedding(idx, self.tab)
         return self.block(x)
 
@@ -431,6 +434,7 @@ class HiddenAlias(Base):
     ("einsum", r"aten.add_ at test_generation_spellings.py:\d+ writes in place into a view of another tensor"),
     ("unsafe_view", r"aten.add_ at test_generation_spellings.py:\d+ writes in place into a view of another tensor"),
     ("buffer", r"writes its buffers or parameters \(tab\)"),
+    ("buffer-type-as", r"writes its buffers or parameters \(tab\)"),
     ("length-scale", r"uses the sequence length \(in `\w+`\) as a value"),
 ])
 def test_aliases_no_schema_declares_and_a_scale_from_the_length_are_refused(how, why):

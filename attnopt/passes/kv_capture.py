@@ -262,8 +262,8 @@ def written_state(graph: fx.Graph) -> list[str]:
 
 def _is_view(node: fx.Node) -> bool:
     """An ATen op whose result may alias its input and that writes nothing: its schema says so, or it is an op of
-    one tensor whose schema promises nothing (``einsum("ij->ij", x)``, ``_unsafe_view``, ``contiguous``: each
-    may return its input or a view of it)."""
+    one tensor (or ``type_as``/``reshape_as``) whose schema promises nothing (``einsum("ij->ij", x)``,
+    ``_unsafe_view``, ``contiguous``: each may return its input or a view of it)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
@@ -272,8 +272,11 @@ def _is_view(node: fx.Node) -> bool:
         return False
     if any(r.alias_info is not None for r in schema.returns):
         return True
+    if returns_fresh(target):
+        return False
     tensors = [n for n in node.all_input_nodes if isinstance(meta_value(n), torch.Tensor)]
-    return len(tensors) == 1 and not returns_fresh(target)
+    # ``x.type_as(y)``, ``x.reshape_as(y)``: x itself when nothing changes
+    return len(tensors) == 1 or target.overloadpacket in (aten.type_as, aten.reshape_as)
 
 
 def _mask_of_ones(model: nn.Module, graph: fx.Graph, placeholders: list[fx.Node]) -> None:
