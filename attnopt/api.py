@@ -6,6 +6,8 @@ import copy
 import functools
 import inspect
 import logging
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +28,47 @@ from .selection.selector import Selector
 log = logging.getLogger(__name__)
 
 _REPORT_ATTR = "_attnopt_report"
+
+
+class _RecompileLimitNotes(logging.Filter):
+    """Dynamo's warning that a function hit its recompile limit, as a note in the report of each optimized model
+    whose forward it is, and a warning from attnopt saying what that means here.
+
+    Past the limit dynamo runs the existing graphs when their guards hold and the function as written when not:
+    calls with a new shape (under ``dynamic=False``) or new guarded Python state then run without attnopt's
+    rewrites, correct but not faster, which ``explain()`` would not show otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: dynamo's name for a function (``'forward' (file:line)``) -> the reports of models compiled from it
+        self.watched: dict[str, list[weakref.ref[Report]]] = {}
+
+    def watch(self, fn: Any, report: Report) -> None:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})"
+            live = [r for r in self.watched.get(where, []) if r() is not None]  # reports of models still alive
+            self.watched[where] = [*live, weakref.ref(report)]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and len(args) >= 3:
+            limit_type, limit, where = args[:3]
+            for ref in list(self.watched.get(str(where), ())):
+                report = ref()
+                if report is None:
+                    continue
+                note = (f"dynamo hit config.{limit_type} ({limit}) for {where}: calls that need a new graph now run "
+                        f"the model as written, without attnopt's rewrites; pass dynamic=True to attnopt.optimize, "
+                        f"or raise torch._dynamo.config.{limit_type}")
+                if note not in report.failures:
+                    report.failures.append(note)
+                    warnings.warn(f"attnopt: {note}", stacklevel=2)
+        return True
+
+
+_RECOMPILE_NOTES = _RecompileLimitNotes()
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_RECOMPILE_NOTES)
 _SELECTOR_ATTR = "_attnopt_selector"
 #: The model as written, on the object ``optimize`` returns: ``OptimizedModule`` keeps it as a submodule,
 #: the generating copy (:func:`_generating_copy`) as a plain attribute (not in ``state_dict``).
@@ -90,6 +133,7 @@ def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, 
         opt = _generating_copy(model, torch.compile(model.forward, backend=backend, dynamic=dynamic), options)
     else:
         opt = torch.compile(model, backend=backend, dynamic=dynamic)
+    _RECOMPILE_NOTES.watch(type(model).forward, report)
     object.__setattr__(opt, _REPORT_ATTR, report)
     object.__setattr__(opt, _SELECTOR_ATTR, selector)
     return opt
