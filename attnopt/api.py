@@ -28,6 +28,10 @@ from .selection.selector import Selector
 log = logging.getLogger(__name__)
 
 _REPORT_ATTR = "_attnopt_report"
+_SELECTOR_ATTR = "_attnopt_selector"
+#: The model as written, on the object ``optimize`` returns: ``OptimizedModule`` keeps it as a submodule,
+#: the generating copy (:func:`_generating_copy`) as a plain attribute (not in ``state_dict``).
+_ORIGINAL_ATTR = "_orig_mod"
 
 
 class _RecompileLimitNotes(logging.Filter):
@@ -69,10 +73,6 @@ class _RecompileLimitNotes(logging.Filter):
 
 _RECOMPILE_NOTES = _RecompileLimitNotes()
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_RECOMPILE_NOTES)
-_SELECTOR_ATTR = "_attnopt_selector"
-#: The model as written, on the object ``optimize`` returns: ``OptimizedModule`` keeps it as a submodule,
-#: the generating copy (:func:`_generating_copy`) as a plain attribute (not in ``state_dict``).
-_ORIGINAL_ATTR = "_orig_mod"
 
 
 def optimize(model: nn.Module, *, variant: str = "auto", compile: bool = False, verify: bool = False,

@@ -73,9 +73,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .passes.kv_capture import NoMaxLen, forward_kwargs, logits_of
+from .passes.kv_capture import forward_kwargs, logits_of
 from .passes.positions import PositionError
-from .pipeline.kv import cached
+from .pipeline.kv import SIZED_FOR_CALL, build_cached, cached
 from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens, left_pad, padding_of
 from .runtime.kv_cache import KVCacheAttention, MaskCheck
 
@@ -106,7 +106,7 @@ def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool, 
     builds it again, larger."""
     key, code = (max_len, variant, compile), _code(model)
     built = _REUSED.setdefault(model, {})
-    if key in built and built[key][0] == code and not (built[key][1].max_len_source == _SIZED and
+    if key in built and built[key][0] == code and not (built[key][1].max_len_source == SIZED_FOR_CALL and
                                                        needed > built[key][1].max_len):
         if built[key][1] not in _BUSY:
             return built[key][1], True
@@ -117,19 +117,11 @@ def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool, 
     return lm, False
 
 
-#: ``max_len_source`` of a cached model ``generate`` sized itself (the model names no maximum length).
-_SIZED = "sized by generate for the prompt and new tokens: the model names no maximum length"
-
-
 def _build(model: nn.Module, max_len: int | None, variant: str, compile: bool, needed: int) -> CachedLM:
-    try:
-        return cached(model, max_len=max_len, variant=variant, compile=compile)
-    except NoMaxLen:
-        if max_len is not None or needed < 1:
-            raise
-    lm = cached(model, max_len=max(64, 1 << (needed - 1).bit_length()), variant=variant, compile=compile)
-    lm.max_len_source = _SIZED
-    return lm
+    """``cached(model, ...)``; caches of ``needed`` positions rounded up to a power of two (at least 64) where the
+    model names no maximum length."""
+    sized = max(64, 1 << (needed - 1).bit_length()) if needed > 0 else None
+    return build_cached(model, max_len, variant=variant, compile=compile, unbounded_len=sized)
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -13,6 +13,7 @@ import torch
 from attnopt import generation
 from attnopt.generation import cached, generate, generate_plain
 from attnopt.models import GPTConfig, NanoGPT
+from attnopt.pipeline.kv import build_cached
 
 VOCAB = 64
 
@@ -24,14 +25,14 @@ def _nanogpt(seed: int = 0) -> NanoGPT:
 
 @pytest.fixture
 def captures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the captures ``generate`` makes (calls of ``cached``)."""
+    """Counts the captures ``generate`` makes (calls of ``build_cached``, which ``cached`` is too)."""
     calls: list[int] = []
 
-    def counting(model, **kw):
+    def counting(model, *args, **kw):
         calls.append(1)
-        return cached(model, **kw)
+        return build_cached(model, *args, **kw)
 
-    monkeypatch.setattr(generation, "cached", counting)
+    monkeypatch.setattr(generation, "build_cached", counting)
     return calls
 
 

@@ -105,10 +105,7 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     dtype = m.spec.compute_dtype
     for t in plan.terms:
         if isinstance(t, Add):
-            added = _relaid(graph, t.mask, t.relayout)
-            md = dtype_of(t.mask)
-            if md is not None and not md.is_floating_point and t.dtype is not None:
-                added = graph.call_method("to", (added, t.dtype))  # a bool/int mask, as type promotion adds it
+            added = _added(graph, t)
             added = added if t.factor == 1.0 else graph.call_function(scaled_mask, (added, t.factor))
             mask = added if mask is None else graph.call_function(operator.add, (mask, added))
         elif isinstance(t, Fill):
@@ -125,16 +122,23 @@ def _emit_mask(graph: fx.Graph, m: Match) -> fx.Node | None:
     return mask
 
 
+def _added(graph: fx.Graph, t: Add) -> fx.Node:
+    """An added term in the site's layout and, for a bool or integer mask, in the sum's dtype (as type promotion
+    adds it), before its factor."""
+    added = _relaid(graph, t.mask, t.relayout)
+    md = dtype_of(t.mask)
+    if md is not None and not md.is_floating_point and t.dtype is not None:
+        added = graph.call_method("to", (added, t.dtype))
+    return added
+
+
 def _emit_key_bias(graph: fx.Graph, m: Match) -> fx.Node:
     """The sum of ``m.key_bias`` (added terms of one value per key, ``[..., 1, Tk]``) in the site's layout, as
     method calls (``unflatten``, ``to``, ``mul``) that the KV cache's position proof reads as ATen ops. A factor
     scales the term as written: ``(s + b) * f`` adds ``b * f``."""
     out: fx.Node | None = None
     for t in m.key_bias:
-        added = _relaid(graph, t.mask, t.relayout)
-        md = dtype_of(t.mask)
-        if md is not None and not md.is_floating_point and t.dtype is not None:
-            added = graph.call_method("to", (added, t.dtype))
+        added = _added(graph, t)
         if t.factor != 1.0:
             added = graph.call_method("mul", (added, t.factor))
         out = added if out is None else graph.call_method("add", (out, added))

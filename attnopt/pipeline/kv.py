@@ -26,6 +26,7 @@ from ..kernels.registry import get_candidate
 from ..passes.canon import meta_value
 from ..passes.find_sites import Match
 from ..passes.kv_capture import (
+    NoMaxLen,
     cache_bytes_per_token,
     capture_lm,
     config_max,
@@ -84,6 +85,17 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     Raises:
         PositionError: the model is not provably cacheable; the message names the op and line.
     """
+    return build_cached(model, max_len, variant=variant, compile=compile, memory_budget=memory_budget)
+
+
+#: ``max_len_source`` of caches :func:`build_cached` sized for one call (``unbounded_len``).
+SIZED_FOR_CALL = "sized for the prompt and new tokens: the model names no maximum length"
+
+
+def build_cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa", compile: bool = False,
+                 memory_budget: int | str | None = None, unbounded_len: int | None = None) -> CachedLM:
+    """:func:`cached`; with ``unbounded_len``, the caches hold that many positions where the model names no maximum
+    length and ``max_len`` is None (``generate`` passes the prompt and new tokens), instead of raising."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"attnopt.generation.cached expects a torch.nn.Module, got {type(model).__name__}")
     if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
@@ -123,7 +135,12 @@ def cached(model: nn.Module, max_len: int | None = None, *, variant: str = "sdpa
     rows = index_positions(gm, plan)                       # 7. a copy reading one position per time step (ragged)
     offset_positions(gm, plan, offset)                     # 8. positions start at the offset
     plan.bounds.extend(gm.meta.get("length_bounds", []))  # conditions on the length export recorded
-    limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)  # 9. how long the caches are
+    try:
+        limit, source = resolve_max_len(max_len, declared, plan, ep, tokens)  # 9. how long the caches are
+    except NoMaxLen:
+        if unbounded_len is None:
+            raise
+        limit, source = unbounded_len, SIZED_FOR_CALL
     for s, node in zip(sites, site_nodes):
         s.max_len, s.bytes_per_token = limit, cache_bytes_per_token(node, tokens)
     lm = CachedLM(gm, sites, limit, source, plan, type(model).__name__, rows=rows)
@@ -353,22 +370,18 @@ def _hidden_key_bias(t: Any) -> tuple[Add, Fill] | None:
     (``s + min`` and ``min`` weigh nothing next to a kept key) and add ``b`` to the others, while ``b`` is far
     from the dtype's range, which the cache checks at every call (``runtime.kv_cache._bounded_bias``)."""
     if not isinstance(t, Add) or t.relayout or t.mask.op != "call_function" \
-            or t.mask.target not in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            or t.mask.target is not aten.masked_fill.Scalar:
         return None
     bias, hide, value = t.mask.args[:3]
-    value = meta_value(value) if isinstance(value, fx.Node) else value
-    if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 and not isinstance(value, torch._subclasses.FakeTensor) else None
-    val = meta_value(bias) if isinstance(bias, fx.Node) else None
-    if not isinstance(bias, fx.Node) or not _one_per_key(bias) or not isinstance(val, torch.Tensor) \
-            or not isinstance(value, float) or not (value == float("-inf") or value <= torch.finfo(val.dtype).min):
+    if not isinstance(bias, fx.Node) or not _one_per_key(bias) or not isinstance(value, float) \
+            or not (value == float("-inf") or value <= torch.finfo(meta_value(bias).dtype).min):
         return None
     return Add(bias, t.factor, t.dtype), Fill(hide, value, dtype=t.dtype)
 
 
 def _one_per_key(node: fx.Node) -> bool:
     """``node`` is shaped ``[..., 1, Tk]`` with ``Tk`` the sequence length (not a number), a value per key."""
-    val = node.meta.get("val")
+    val = meta_value(node)
     if not isinstance(val, torch.Tensor) or val.dim() < 2 or not val.is_floating_point():
         return False
     return statically_known_true(val.shape[-2] == 1) and isinstance(val.shape[-1], torch.SymInt)

@@ -327,8 +327,6 @@ def _biased(bias: torch.Tensor, keep: torch.Tensor | None, causal: bool, t: int)
         keep = torch.ones(t, bias.size(-1), dtype=torch.bool, device=bias.device).tril(bias.size(-1) - t)
     if keep is None:
         return scores
-    if keep.dim() == 3 and bias.dim() == 3:  # a ragged batch's (R, t, K) keep-mask against (R, H, K) terms
-        keep = keep[:, None]
     return scores.masked_fill(~keep, float("-inf"))
 
 
