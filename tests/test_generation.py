@@ -304,17 +304,6 @@ class Bidirectional(nn.Module):
         return (att @ v).transpose(1, 2).reshape(b, t, c)
 
 
-class FiniteFill(Bidirectional):
-    """Causal, but masked with -1e4: exact only under a per-call bound the cache would not check."""
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (y.view(b, t, 2, 8).transpose(1, 2) for y in self.qkv(x).split(16, dim=2))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(8))
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), -1e4)
-        return (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
-
-
 class RollAll(nn.Module):
     def forward(self, x):
         return x + x.roll(1)  # no dims: rolls the flattened tensor, across positions
@@ -333,12 +322,11 @@ class ExpandedCumsum(nn.Module):
     (RollAll(), "aten.roll", "works along the sequence axis"),
     (ExpandedCumsum(), "aten.cumsum", "works along the sequence axis"),
     (CausalConv(), "aten.conv1d", "not known to act on each position separately"),
-    (FiniteFill(), "aten.matmul", "finite value -10000"),
     (Cumsum(), "aten.cumsum", "works along the sequence axis"),
     (MeanPool(), "aten.mean", "works along the sequence axis"),
     (ByLength(), "aten.div", "uses the sequence length"),
     (Bidirectional(), "aten.matmul", "not proven to be causal self-attention (it has no mask)"),
-], ids=["roll-flattened", "expanded-constant-cumsum", "causal-conv", "finite-fill",
+], ids=["roll-flattened", "expanded-constant-cumsum", "causal-conv",
         "cumsum", "mean-pool", "divide-by-length", "bidirectional-attention"])
 def test_sequence_mixing_is_refused_naming_op_and_line(mix, op, why):
     with pytest.raises(PositionError) as info:

@@ -5,7 +5,9 @@
   spellings read like the model's; a required ``attention_mask`` becomes ones of the tokens' shape
   (:func:`forward_kwargs` gives the same to the plain loop);
 * :func:`not_cacheable`: why a matched site cannot attend to a cache (no causal proof, dropout,
-  score modifiers, run-time conditions, finite fills), or None (a proven causal sliding window is cached);
+  run-time conditions, a finite fill with a score modifier), or None (a proven causal sliding window is
+  cached; a finite fill such as ``-1e4`` is cached under the bound the site checks on every call,
+  :meth:`~attnopt.runtime.kv_cache.KVCacheAttention.check_fill`);
 * :func:`mask_check`: the run-time :class:`~attnopt.runtime.kv_cache.MaskCheck` for a mask of sizes alone;
 * :func:`config_max`, :func:`resolve_max_len`, :func:`cache_bytes_per_token`: how long the caches are
   and what a position costs at a site.
@@ -48,9 +50,9 @@ def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None
     if spec.conditions:
         return ("is causal only while a mask term computed at run time (e.g. a padding mask) hides no key, "
                 "which the cache cannot check")
-    if spec.fill_value is not None:
-        return (f"fills masked scores with the finite value {spec.fill_value:g}, which is exact only under a "
-                "per-call bound the cache does not check")
+    if spec.fill_value is not None and spec.score_mod is not None:
+        return (f"fills masked scores with the finite value {spec.fill_value:g} and modifies the scores, which the "
+                "cache's per-call bound on the fill does not cover")
     return None
 
 

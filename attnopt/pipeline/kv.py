@@ -324,6 +324,9 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
 def _why_not(gm: fx.GraphModule, m: Match, tokens: fx.Node, declared: int | None, probe: int
              ) -> tuple[str | None, MaskCheck | None]:
     """Why the cache cannot serve ``m`` (None: it can), and the mask check that showed its mask causal."""
+    if m.mask is not None and m.mask.bound_fill is not None and m.mask.fill_with_adds:
+        return (f"fills masked scores with the finite value {m.mask.bound_fill:g} and adds other mask terms, whose "
+                "sum the cache's per-call bound on the fill does not cover"), None
     why = not_cacheable(m.spec)
     if why is not None and m.spec.causal is None and m.spec.mask != "none":
         check = mask_check(gm, m, tokens, min(8, declared or 8), probe)  # causal? a window?
@@ -344,7 +347,8 @@ def _set_key_bias_apart(m: Match) -> bool:
     position proof then reads the bias as it reads k (one value per position, from that position alone), and
     refuses it otherwise (MPT's ALiBi, relative to the last key, changes with the length)."""
     plan = m.mask
-    if plan.kind != "additive" or plan.causal is not None or m.spec.sink or m.score_mod is not None:
+    if plan.kind != "additive" or plan.causal is not None or m.spec.sink or m.score_mod is not None \
+            or plan.bound_fill is not None:  # (the fill's bound counts no key term)
         return False
     per_key, rest = [], []
     for t in plan.terms:

@@ -11,6 +11,7 @@ from sizes alone at each new ``(batch, length)``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -96,6 +97,9 @@ class KVCacheAttention(DispatchingSite):
         self.score_mod: Any = None  # an elementwise score modifier (``spec.ElementwiseScoreMod``): reads no index
         #: the sink is read as ``sigmoid(logsumexp(s) - sink)`` (Granite-SWA): ``+inf`` as the largest finite logit
         self.sink_lse = False
+        #: with a finite fill (``spec.fill_value``): the largest key norm since the sequence began, 0-d float32
+        #: (see :meth:`check_fill`)
+        self.k_norm: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -106,7 +110,7 @@ class KVCacheAttention(DispatchingSite):
         return f"{self.site_name}: capacity={self.capacity}, {self.candidate}, {self.spec.describe()}"
 
     def reset(self) -> None:
-        self.k_cache = self.v_cache = self.b_cache = None
+        self.k_cache = self.v_cache = self.b_cache = self.k_norm = None
 
     @property
     def cache_bytes(self) -> int:
@@ -130,6 +134,8 @@ class KVCacheAttention(DispatchingSite):
             kwargs["sink"] = sink.expand(*q.shape[:-1], 1)
         if key_bias is not None:
             kwargs["key_bias"] = _bounded_bias(key_bias, self.site_name).expand(*q.shape[:-2], 1, q.size(-2))
+        if self.spec.fill_value is not None:
+            self.check_fill(q, k, kwargs["scale"], offset)
         if isinstance(offset, Rows):
             out = self._rows(q, k, v, offset, kwargs)
         elif self.window is None:
@@ -139,6 +145,38 @@ class KVCacheAttention(DispatchingSite):
         if self.spec.out_dtype is not None and out.dtype != self.spec.out_dtype:
             out = out.to(self.spec.out_dtype)
         return out
+
+    def check_fill(self, q: torch.Tensor, k: torch.Tensor, scale: float, offset: int | Rows) -> None:
+        """Raise unless the model's finite fill ``f`` (``masked_fill(~causal, -1e4)``, OpenAI-GPT's
+        ``w * b + -1e4 * (1 - b)``) provably carries no weight, as written, in the rows of this call.
+
+        As written, the whole sequence (at most ``max_len`` positions) is attended at once, and every future key
+        (and every key outside a window) gets the score ``f`` exactly, whatever the key; the cache attends to the
+        kept keys only. A row ``i`` agrees within ``2**-60`` of its weight when
+        ``f + |scale| * |q_i| * max_j |k_j| + log(max_len) <= -42`` over its kept keys ``j``: by Cauchy-Schwarz its
+        largest kept score is at least ``-|scale| * |q_i| * max_j |k_j|``, and the at most ``max_len`` filled keys
+        weigh ``exp(f - s)`` each against it (a sink only adds weight elsewhere). So a row's bound needs only its
+        own query and the keys up to it, all known when the cache computes it: the site keeps the largest key
+        norm since the sequence began (``k_norm``) and checks the new queries against it. Past the bound the model
+        as written lets a query see future keys, which no cache can compute: the call raises ``PositionError``
+        (``RuntimeError`` from the compiled graph's assert with ``compile=True``)."""
+        fill = self.spec.fill_value
+        assert fill is not None
+        fresh = offset.fresh if isinstance(offset, Rows) else offset == 0
+        with torch.no_grad():
+            kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax()
+            self.k_norm = kn if fresh or self.k_norm is None else torch.maximum(self.k_norm, kn)
+            qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax()
+            margin = fill + abs(scale) * qn * self.k_norm * 1.01 + 1.0 + math.log(max(self.max_len, 1))
+        if torch.compiler.is_compiling():
+            torch._assert_async(margin <= -42.0, f"the fill of {self.site_name} may carry weight")
+        elif not bool(margin <= -42.0):
+            raise PositionError(
+                f"{self.site_name} fills its masked scores with {fill:g}, and at this call its scores may reach "
+                f"{abs(scale) * float(qn * self.k_norm):.4g} in size (|scale| * max|q| * max|k|): the model as "
+                "written may then give future keys weight, which a KV cache cannot compute. Generate by full "
+                "recompute (the model's forward on the whole sequence) for inputs like these, or mask with -inf "
+                "or the dtype's minimum")
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool, kwargs: dict) -> torch.Tensor:
