@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..env import AUTO
 from ..kernels.reference import reference_attention, tolerance
 from ..kernels.registry import get_candidate
-from ..selection.selector import Call, shape_key
+from ..selection.selector import Call, length_bucket, shape_key
 from ..spec import AttentionSpec
 from .autograd import recomputable
 from .guards import is_tracing
@@ -110,6 +110,17 @@ class _Plan(NamedTuple):
     wrapped: bool  # run inside ``recomputable`` (gradients, by a candidate not differentiable twice)
     fallback: str | None  # why ``name`` is not ``choice`` (counted per call in ``site.fallbacks``), or None
     key: Any = None  # the selector's shape key when its sampled calls are timed (see ``DispatchingSite._observe``)
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, kwargs: dict,
+               grad: bool) -> tuple:
+    """The key of a call's :class:`_Plan`: what steps 1-5 read, the query and key lengths in the selector's buckets
+    (:func:`~attnopt.selection.selector.shape_key`'s), so a decode step whose cache grows by one key per call
+    finds its plan again instead of planning every call; the mask by dtype and which dims broadcast."""
+    return (q.size(0), q.size(1), length_bucket(q.size(2)), q.size(3), k.size(0), k.size(1),
+            length_bucket(k.size(2)), k.size(3), v.size(1), v.size(3), q.dtype, q.device,
+            None if mask is None else (mask.dtype, tuple(n == 1 for n in mask.shape), mask.requires_grad),
+            kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
 
 
 class DispatchingSite(nn.Module):
@@ -200,11 +211,11 @@ class DispatchingSite(nn.Module):
         (``needs_grad(q, k, v, kwargs["attn_mask"])``) and ``tracing`` (``is_tracing(q)``) may be passed by a
         caller that has them already.
 
-        Everything steps 1-5 decide depends on the call's signature only (shapes, dtype, device, the mask's
-        dtype and shape, causal, dropout, gradients): after the first call of a signature it is one tuple and
-        one dictionary lookup (:class:`_Plan`). The first call of each signature goes the whole way (the
-        selector's table, the per-key check), so a new shape, dtype, device, grad mode or mask dtype is
-        always chosen and checked.
+        Everything steps 1-5 decide depends on the call's signature only (shapes, the lengths in the selector's
+        buckets, dtype, device, the mask's dtype and layout, causal, dropout, gradients; :func:`_signature`):
+        after the first call of a signature it is one tuple and one dictionary lookup (:class:`_Plan`). The
+        first call of each signature goes the whole way (the selector's table, the per-key check), so a new
+        shape key, dtype, device, grad mode or mask dtype is always chosen and checked.
         """
         if tracing is None:
             tracing = is_tracing(q)
@@ -217,9 +228,7 @@ class DispatchingSite(nn.Module):
         mask = kwargs["attn_mask"]
         if grad is None:
             grad = needs_grad(q, k, v, mask)
-        call = (q.shape, k.shape, v.shape, q.dtype, q.device,
-                None if mask is None else (mask.dtype, mask.shape, mask.requires_grad),
-                kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
+        call = _signature(q, k, v, mask, kwargs, grad)
         plan = self._plans.get(call)
         if plan is None:
             plan = self._plan(call, q, k, v, kwargs, grad)

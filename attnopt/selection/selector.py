@@ -92,7 +92,8 @@ Timer = Callable[[str, Callable[[], Any]], float]
 MemoryMeter = Callable[[str, Callable[[], Any]], int]
 
 
-def _bucket(n: int) -> int:
+def length_bucket(n: int) -> int:
+    """The power of two at or above ``n``: the lengths one shape key stands for."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
@@ -137,9 +138,10 @@ def shape_key(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """The key of a call with 4-D ``q``, ``k``, ``v`` (as the site passes them to candidates)."""
     mask_kind = "none" if mask is None else ("bool" if mask.dtype == torch.bool else str(mask.dtype))
     layout = "" if mask is None else ",".join("1" if n == 1 else "n" for n in (1,) * (4 - mask.dim()) + mask.shape)
-    return ShapeKey(int(q.size(0)), int(q.size(1)), int(k.size(1)), _bucket(int(q.size(2))), _bucket(int(k.size(2))),
-                    int(q.size(3)), int(v.size(3)), str(q.dtype), q.device.type, mask_kind, layout, causal,
-                    spec.score_mod or "", spec.gqa, dropout, grad, (spec.window or 0) if causal else 0)
+    return ShapeKey(int(q.size(0)), int(q.size(1)), int(k.size(1)), length_bucket(int(q.size(2))),
+                    length_bucket(int(k.size(2))), int(q.size(3)), int(v.size(3)), str(q.dtype), q.device.type,
+                    mask_kind, layout, causal, spec.score_mod or "", spec.gqa, dropout, grad,
+                    (spec.window or 0) if causal else 0)
 
 
 def default_timer(name: str, run: Callable[[], Any], device: torch.device | None = None) -> float:
