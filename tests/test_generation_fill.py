@@ -162,3 +162,40 @@ class FilledWindow(Filled):
 def test_a_finite_fill_in_a_sliding_window():
     lm = assert_cached_exactly(FilledWindow().eval())
     assert [s.capacity for s in lm.sites] == [3]
+
+
+def test_a_half_type_product_that_could_overflow_raises():
+    """float16, a fill near its range (-6e4) after the scale: the scaled bound holds, but ``q @ k^T`` as written
+    overflows to -inf on the diagonal, so row 0 attends to its future keys. The unscaled product is bounded too."""
+    model = Filled("masked_fill", -6e4).eval().half()
+    lm = cached(model)
+    torch.manual_seed(1)
+    idx = torch.randint(0, V, (1, 4))
+    with torch.no_grad():
+        lm.prefill(idx)  # ordinary weights: within both bounds
+        g = math.sqrt(4000.0)
+        w, b = model.qkv.weight, model.qkv.bias
+        w[C:2 * C] *= g
+        b[C:2 * C] *= g
+        w[:C], b[:C] = -w[C:2 * C], -b[C:2 * C]  # q = -k: raw diagonal score about -7e4
+        q, k, _ = model.heads(model.embed(idx))
+        assert bool(torch.isneginf(q @ k.transpose(-2, -1)).any())  # as written: a kept key at -inf
+        with pytest.raises(PositionError, match="unscaled"):
+            lm.prefill(idx)
+
+
+def test_padding_slots_do_not_count_in_the_bound():
+    """A padding id whose embedding is huge pads a ragged batch: its slots are never attended, so they neither
+    raise nor stay in the key norm."""
+    model = Filled().eval()
+    lm = cached(model)
+    with torch.no_grad():
+        model.wte.weight[0] *= 1e4  # neither the prompts below nor the tokens generated hold token 0
+        model.head.bias[0] = -1e9
+    prompts = [torch.randint(1, V, (n,)) for n in (6, 2)]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    ids[0], ids[1, 4:] = prompts[0], prompts[1]
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 0, 1, 1]])
+    out = generate(lm, ids, 5, attention_mask=mask)
+    assert torch.equal(out[0], generate_plain(model, prompts[0][None], 5)[0])
+    assert torch.equal(out[1, 4:], generate_plain(model, prompts[1][None], 5)[0])

@@ -157,24 +157,36 @@ class KVCacheAttention(DispatchingSite):
         largest kept score is at least ``-|scale| * |q_i| * max_j |k_j|``, and the at most ``max_len`` filled keys
         weigh ``exp(f - s)`` each against it (a sink only adds weight elsewhere). So a row's bound needs only its
         own query and the keys up to it, all known when the cache computes it: the site keeps the largest key
-        norm since the sequence began (``k_norm``) and checks the new queries against it. Past the bound the model
+        norm since the sequence began (``k_norm``, padding slots of a ragged batch left out) and checks the new
+        queries against it. The product ``|q| * |k|`` must also stay within half the dtype's range, scaled or not:
+        as written ``q @ k^T`` may be taken before the scale, and in a half type a score that overflows to
+        ``-inf`` hides a kept key (a row left with its future keys only). Past the bound the model
         as written lets a query see future keys, which no cache can compute: the call raises ``PositionError``
         (``RuntimeError`` from the compiled graph's assert with ``compile=True``)."""
         fill = self.spec.fill_value
         assert fill is not None
         fresh = offset.fresh if isinstance(offset, Rows) else offset == 0
         with torch.no_grad():
-            kn = torch.linalg.vector_norm(k.detach().float(), dim=-1).amax()
+            qn, kn = (torch.linalg.vector_norm(x.detach().float(), dim=-1) for x in (q, k))
+            if isinstance(offset, Rows):  # padding slots: never attended, their results unused
+                real = offset.real.reshape(-1)
+                qn, kn = qn[..., real], kn[..., real]
+            qn, kn = qn.amax(), kn.amax()
             self.k_norm = kn if fresh or self.k_norm is None else torch.maximum(self.k_norm, kn)
-            qn = torch.linalg.vector_norm(q.detach().float(), dim=-1).amax()
-            margin = fill + abs(scale) * qn * self.k_norm * 1.01 + 1.0 + math.log(max(self.max_len, 1))
+            product = qn * self.k_norm * 1.01
+            margin = fill + abs(scale) * product + 1.0 + math.log(max(self.max_len, 1))
+            # as written, ``q @ k^T`` may be taken before the scale: in a half type it can overflow to -inf (a
+            # kept key hidden) while the scaled bound holds
+            fits = product * max(1.0, abs(scale)) <= torch.finfo(q.dtype).max / 2
+            ok = (margin <= -42.0) & fits
         if torch.compiler.is_compiling():
-            torch._assert_async(margin <= -42.0, f"the fill of {self.site_name} may carry weight")
-        elif not bool(margin <= -42.0):
+            torch._assert_async(ok, f"the fill of {self.site_name} may carry weight")
+        elif not bool(ok):
             raise PositionError(
                 f"{self.site_name} fills its masked scores with {fill:g}, and at this call its scores may reach "
-                f"{abs(scale) * float(qn * self.k_norm):.4g} in size (|scale| * max|q| * max|k|): the model as "
-                "written may then give future keys weight, which a KV cache cannot compute. Generate by full "
+                f"{abs(scale) * float(qn * self.k_norm):.4g} in size (|scale| * max|q| * max|k|; unscaled "
+                f"{float(qn * self.k_norm):.4g}, in {q.dtype}): the model as written may then give future keys "
+                "weight, which a KV cache cannot compute. Generate by full "
                 "recompute (the model's forward on the whole sequence) for inputs like these, or mask with -inf "
                 "or the dtype's minimum")
 
