@@ -8,8 +8,12 @@ at the key's position, as it writes the key, and adds the cached terms to the sc
   the sum (``(s + b) * f``), per head folded into the batch (``baddbmm(bias, q, k^T)``, BLOOM's);
 * a term read from a key's own token (a learnt gate per key), in a sliding window, in ragged batches;
 * Hugging Face BLOOM and Falcon with ALiBi;
-* refused: a term relative to the last key (MPT's ``slope * (j - T + 1)``), a term per query and key
-  (``slope * (j - i)``), a term per key that is not finite at a call.
+* a term relative to the last key read from the end of a table built in forward, MPT's
+  ``table[..., max(0, S - T):]`` with ``table = slope * arange(1 - S, 1)``: ``slope * (j - T + 1)`` is
+  ``slope * j`` up to a constant per row, which softmax ignores, so the cache keeps ``slope * j``;
+* refused: the same term computed from the length (``slope * (j - (T - 1))``), read from a buffer (it may
+  change) or from a table that is not affine, a term per query and key (``slope * (j - i)``), a term per key
+  that is not finite at a call.
 """
 
 from __future__ import annotations
@@ -77,6 +81,20 @@ class Alibi(nn.Module):
             att = (s + g * alibi).masked_fill(~keep, float("-inf"))
         elif self.how == "from_end":  # MPT's: relative to the last key, changes with the length
             att = (s + self.slopes[:, None, None] * (pos - (T - 1))).masked_fill(~keep, float("-inf"))
+        elif self.how.startswith("end_"):  # MPT's: a table built in forward, read from its end (changes with T)
+            S = self.config.block_size
+            if self.how == "end_buffer":  # from a buffer, which may change: refused
+                slopes = self.slopes
+            else:
+                slopes = 1.0 / torch.pow(2, torch.arange(1, H + 1, device=idx.device).float() * (8 / H))
+            rel = torch.arange(1 - S, 1, dtype=torch.int32, device=idx.device)
+            table = (rel.view(1, S) ** 2 * -0.01 if self.how == "end_square" else rel.view(1, S)) * slopes[:, None]
+            table = table[:, None, :]  # (H, 1, S)
+            if self.how == "end_max":  # MPT's spelling: max(0, size - length) on both axes
+                term = table[:, max(0, table.size(1) - T):, max(0, S - T):]
+            else:
+                term = table[:, :, S - T:]
+            att = (s + term).masked_fill(~keep, float("-inf"))
         elif self.how == "relative":  # per query and key: (T, T)
             rel = (pos[None, :] - pos[:, None]).clamp(max=0)
             att = (s + self.slopes[:, None, None] * rel).masked_fill(~keep, float("-inf"))
@@ -101,7 +119,7 @@ class Bloomish(Alibi):
         return self.head(x + self.proj(y))
 
 
-@pytest.mark.parametrize("how", ["add", "mask_first", "folded", "scaled", "table", "gate"])
+@pytest.mark.parametrize("how", ["add", "mask_first", "folded", "scaled", "table", "gate", "end_table", "end_max"])
 def test_a_term_per_key_is_cached_exactly(how):
     lm = assert_cached_exactly(Alibi(how).eval())
     assert all(s.keeps_key_bias for s in lm.sites)
@@ -139,6 +157,8 @@ def test_the_cache_counts_the_terms_bytes():
 
 @pytest.mark.parametrize("how,why", [
     ("from_end", "uses the sequence length"),
+    ("end_buffer", "slices a table by a range computed from the sequence length"),
+    ("end_square", "slices a table by a range computed from the sequence length"),
     ("relative", "not proven to be causal"),
 ])
 def test_terms_that_are_not_one_per_key_are_refused(how, why):
@@ -191,6 +211,11 @@ def _hf(name: str):
         cfg = transformers.BloomConfig(vocab_size=V, hidden_size=C, n_layer=2, n_head=H,
                                        attn_implementation="eager")
         cls = transformers.BloomForCausalLM
+    elif name.startswith("mpt"):  # ``mpt3``: 3 heads, slopes that are not powers of two
+        heads = int(name[3:] or H)
+        cfg = transformers.MptConfig(vocab_size=V, d_model=4 * heads, n_layers=2, n_heads=heads, max_seq_len=24,
+                                     attn_implementation="eager")
+        cls = transformers.MptForCausalLM
     else:
         cfg = transformers.FalconConfig(vocab_size=V, hidden_size=C, num_hidden_layers=2, num_attention_heads=H,
                                         alibi=True, multi_query=True, attn_implementation="eager",
@@ -200,12 +225,13 @@ def _hf(name: str):
     return cls(cfg).eval()
 
 
-@pytest.mark.parametrize("name", ["bloom", "falcon"])
+@pytest.mark.parametrize("name", ["bloom", "falcon", "mpt", "mpt3"])
 def test_hugging_face_alibi_models(name):
     model = _hf(name)
     with pytest.raises(ValueError, match="max_len") if name == "bloom" else contextlib.nullcontext():
         cached(model)  # BLOOM names no maximum length: ALiBi has no position table
-    lm = cached(model, max_len=24)
+    # MPT's export records its length check ``size - max(0, size - T) != size``: 23 positions, found alone
+    lm = cached(model, max_len=None if name.startswith("mpt") else 24)
     assert all(s.keeps_key_bias for s in lm.sites)
     idx = torch.randint(0, V, (2, 5))
     with torch.no_grad():

@@ -505,3 +505,125 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, pro
         except Exception as e:  # noqa: BLE001 - a mask attnopt cannot evaluate is a mask it cannot trust
             return f"its mask could not be evaluated at length {length} ({type(e).__name__}: {e})"
     return check
+
+
+def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declared: int | None) -> fx.Node | None:
+    """A term per key equal to ``node`` up to a constant per softmax row, as a new node ``slope * arange(T)``
+    (unwired), when ``node`` reads a constant table from its end (MPT's ALiBi); None otherwise.
+
+    MPT builds ``table = slope * arange(1 - S, 1)`` (``(H, 1, S)``, ``S = max_seq_len``) in forward and adds
+    ``table[:, max(0, 1 - T):, max(0, S - T):]`` to the scores: key ``j`` gets ``slope * (j - T + 1)``, relative to
+    the last key, so its value changes with the length and cannot be kept with the key. It is ``slope * j`` plus
+    ``-slope * (T - 1)``, the same for every key of a row, which softmax along the keys ignores: the cache keeps
+    ``slope * j``. The caller uses the new term only as a key term of the scores (a ``key_bias``, never with a
+    score modifier). Read here:
+
+    * ``node`` slices the table's last axis by ``S - T`` to its end for every ``1 <= T <= S`` (``Max(0, S - T)``
+      included), where ``S`` is at least the model's declared maximum length, so the cache never serves more;
+    * slices of size-1 axes that keep them whole for every ``T >= 1`` (``max(0, 1 - T):``) are looked through;
+    * the table is computed in forward from numbers alone (no input, parameter, buffer or size, nothing written in
+      place) and is affine along its last axis within a few units of rounding, its slope taken in float64 from
+      its ends. ``slope * j`` is then what the model adds up to that constant and to the table's own rounding.
+    """
+    if node.op != "call_function" or node.target is not aten.slice.Tensor or declared is None:
+        return None
+    seq = meta_value(tokens).shape[1] if isinstance(meta_value(tokens), torch.Tensor) else None
+    val = meta_value(node)
+    if not isinstance(seq, torch.SymInt) or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return None
+    t = seq.node.expr
+    table, dim, start, end, step = _slice_args(node)
+    tv = meta_value(table) if isinstance(table, fx.Node) else None
+    if not isinstance(tv, torch.Tensor) or tv.dim() < 2 or dim % tv.dim() != tv.dim() - 1 or step != 1:
+        return None
+    while isinstance(table, fx.Node) and table.op == "call_function" and table.target is aten.slice.Tensor:
+        inner, d, s0, e0, st = _slice_args(table)  # a size-1 axis kept whole at every length
+        iv = meta_value(inner) if isinstance(inner, fx.Node) else None
+        if not isinstance(iv, torch.Tensor) or d % iv.dim() == iv.dim() - 1 or iv.shape[d] != 1 or st != 1 \
+                or e0 not in (None, _FULL_SLICE) or not _for_every_length(s0, t, lambda e, u: e, 0):
+            return None
+        table = inner
+    tv = meta_value(table)
+    shape = tuple(tv.shape) if isinstance(tv, torch.Tensor) else ()
+    if not shape or not all(isinstance(n, int) for n in shape) or shape[-2] != 1 or shape[-1] < 2:
+        return None
+    size = shape[-1]
+    if declared > size or end not in (None, _FULL_SLICE, size) \
+            or not _for_every_length(start, t, lambda e, u: e - u, 0, upto=size):
+        return None
+    value = _constant_value(gm, table)
+    if value is None or not value.is_floating_point():
+        return None
+    v = value.double()
+    slope = (v[..., -1:] - v[..., :1]) / (size - 1)
+    fit = v[..., :1] + slope * torch.arange(size, dtype=torch.float64, device=v.device)
+    if not bool(torch.isfinite(v).all()) or \
+            float((v - fit).abs().max()) > 4 * torch.finfo(value.dtype).eps * float(v.abs().max()) + 1e-30:
+        return None
+    name = f"_attnopt_key_slope{sum(1 for b in gm._buffers if b.startswith('_attnopt_key_slope'))}"
+    gm.register_buffer(name, slope.to(value.dtype))
+    graph, fake = gm.graph, tv.fake_mode
+    with graph.inserting_before(node):
+        a = graph.get_attr(name)
+        n = graph.call_function(aten.sym_size.int, (tokens, 1))
+        j = graph.call_function(aten.arange.default, (n,), {"dtype": value.dtype, "device": value.device})
+        term = graph.call_function(aten.mul.Tensor, (a, j))
+    with fake:
+        a.meta["val"] = fake.from_tensor(getattr(gm, name))
+        n.meta["val"] = seq
+        j.meta["val"] = torch.arange(seq, dtype=value.dtype, device=value.device)
+        term.meta["val"] = a.meta["val"] * j.meta["val"]
+    for new in (a, n, j, term):
+        new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
+    return term
+
+
+#: ``slice(x, d, start)`` to the end, as export records it (``end`` omitted or the largest int64).
+_FULL_SLICE = 9223372036854775807
+
+
+def _slice_args(node: fx.Node) -> tuple[Any, int, Any, Any, Any]:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, dim, start, end, step = args[:5]
+    return (x, node.kwargs.get("dim", 0 if dim is None else dim), node.kwargs.get("start", start),
+            node.kwargs.get("end", end), node.kwargs.get("step", 1 if step is None else step))
+
+
+def _for_every_length(x: Any, t: sympy.Expr, want: Callable[[Any, Any], Any], equal: Any, upto: int | None = None
+                      ) -> bool:
+    """``want(x, u) == equal`` for every length ``T >= 1`` (``u = T - 1``), or every ``1 <= T <= upto``
+    (``u = upto - T``), with ``x`` a number or a node whose value is an expression of the length ``t``."""
+    e = meta_value(x) if isinstance(x, fx.Node) else x
+    if isinstance(e, torch.SymInt):
+        e = e.node.expr
+    if e is None:
+        e = 0
+    if not isinstance(e, (int, sympy.Basic)) or isinstance(e, bool):
+        return False
+    u = sympy.Symbol("attnopt_u", integer=True, nonnegative=True)
+    at = sympy.sympify(e).subs(t, u + 1 if upto is None else upto - u)
+    return bool(sympy.simplify(want(at, u) - equal) == 0)
+
+
+def _constant_value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
+    """``node``'s value when it is computed from numbers alone: no input, parameter, buffer or size among what it
+    is computed from, nothing there written in place or random; None otherwise."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+                or torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable \
+                or _writers(n) or any(isinstance(a, (torch.SymInt, torch.SymFloat)) for a in pytree.tree_leaves(
+                    (n.args, n.kwargs))):
+            return None
+        todo.extend(n.all_input_nodes)
+    env: dict[fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        if n in seen:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), lambda a: env[a])
+            env[n] = n.target(*args, **kwargs)
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None

@@ -34,6 +34,7 @@ from ..passes.kv_capture import (
     logits_of,
     mask_check,
     not_cacheable,
+    relative_key_term,
     resolve_max_len,
 )
 from ..passes.masks import Add, Fill
@@ -304,7 +305,8 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
                              mask=plan.kind)
         why, check = _why_not(gm, m, tokens, declared, probe)
         as_found = (m.mask, m.spec)
-        if why is not None and _set_key_bias_apart(m):  # not causal as a whole: causal once ALiBi's terms are apart?
+        # not causal as a whole: causal once ALiBi's terms are apart?
+        if why is not None and _set_key_bias_apart(m, gm, tokens, declared):
             why_apart, check = _why_not(gm, m, tokens, declared, probe)
             if why_apart is None:
                 why = None
@@ -337,7 +339,7 @@ def _why_not(gm: fx.GraphModule, m: Match, tokens: fx.Node, declared: int | None
     return why, None
 
 
-def _set_key_bias_apart(m: Match) -> bool:
+def _set_key_bias_apart(m: Match, gm: fx.GraphModule, tokens: fx.Node, declared: int | None) -> bool:
     """Move the added mask terms of one value per key (``[..., 1, Tk]``: ALiBi's ``slope * j``, BLOOM's and
     Falcon's) from ``m.mask`` to ``m.key_bias`` (True when there were any), for a mask not causal as a whole.
 
@@ -345,7 +347,9 @@ def _set_key_bias_apart(m: Match) -> bool:
     KV cache keeps the term with the key (written once at its position, like the key) and adds it to the scores
     over the cached keys. The other terms must still be causal on their own, which the mask check decides; the
     position proof then reads the bias as it reads k (one value per position, from that position alone), and
-    refuses it otherwise (MPT's ALiBi, relative to the last key, changes with the length)."""
+    refuses it otherwise. A term read from a constant table's end (MPT's ALiBi, relative to the last key, so it
+    changes with the length) is the term per key ``slope * j`` up to a constant per row, which softmax ignores
+    (:func:`~attnopt.passes.kv_capture.relative_key_term`)."""
     plan = m.mask
     if plan.kind != "additive" or plan.causal is not None or m.spec.sink or m.score_mod is not None \
             or plan.bound_fill is not None:  # (the fill's bound counts no key term)
@@ -353,7 +357,10 @@ def _set_key_bias_apart(m: Match) -> bool:
     per_key, rest = [], []
     for t in plan.terms:
         hidden = _hidden_key_bias(t)
-        if isinstance(t, Add) and _one_per_key(t.mask):
+        relative = None if not isinstance(t, Add) or t.relayout else relative_key_term(gm, t.mask, tokens, declared)
+        if relative is not None:  # the same term up to a constant per row (MPT's): the keys' own part
+            per_key.append(Add(relative, t.factor, t.dtype))
+        elif isinstance(t, Add) and _one_per_key(t.mask):
             per_key.append(t)
         elif hidden is not None:  # the term per key with the mask filled into it: both, apart
             per_key.append(hidden[0])
