@@ -81,6 +81,14 @@ class Alibi(nn.Module):
             att = (s + g * alibi).masked_fill(~keep, float("-inf"))
         elif self.how == "from_end":  # MPT's: relative to the last key, changes with the length
             att = (s + self.slopes[:, None, None] * (pos - (T - 1))).masked_fill(~keep, float("-inf"))
+        elif self.how == "end_bent":  # one steep row, and a row bent where only the steep row's size hides it
+            S = self.config.block_size
+            rel = torch.arange(1 - S, 1, device=idx.device).float()
+            slopes = torch.where(torch.arange(H) == 0, 1e6, 0.5)
+            i = torch.arange(S)
+            bend = torch.where((torch.arange(H)[:, None] == 1) & (i % 2 == 0) & (i > 0) & (i < S - 4), 5.0, 0.0)
+            term = (rel * slopes[:, None] + bend)[:, None, :][:, :, S - T:]
+            att = (s + term).masked_fill(~keep, float("-inf"))
         elif self.how.startswith("end_"):  # MPT's: a table built in forward, read from its end (changes with T)
             S = self.config.block_size
             if self.how == "end_buffer":  # from a buffer, which may change: refused
@@ -159,6 +167,7 @@ def test_the_cache_counts_the_terms_bytes():
     ("from_end", "uses the sequence length"),
     ("end_buffer", "slices a table by a range computed from the sequence length"),
     ("end_square", "slices a table by a range computed from the sequence length"),
+    ("end_bent", "slices a table by a range computed from the sequence length"),
     ("relative", "not proven to be causal"),
 ])
 def test_terms_that_are_not_one_per_key_are_refused(how, why):
@@ -277,3 +286,24 @@ def test_generate_sizes_the_cache_of_a_model_with_no_maximum_length(monkeypatch)
     assert torch.equal(attnopt.generate(model, long, 3), generate_plain(model, long, 3))
     assert generation._REUSED[model][(None, "sdpa", False)][1].max_len == 128
     assert len(captures) == 2
+
+
+def test_a_term_relative_to_the_last_key_keeps_its_precision_at_long_lengths():
+    """At 600 positions ``slope * j`` reaches ``slope * 600``, where float32 rounds it; the model as written adds
+    ``slope * (j - T + 1)``, small on the recent keys. The cache keeps the term in float64 and adds it less its
+    largest, so it is as close to a float64 copy of the model as the model itself."""
+    import copy
+
+    model = Alibi("end_max", block_size=640).eval()
+    with torch.no_grad():
+        model.proj.weight.mul_(20)  # attention matters to the logits
+        model.qkv.weight.mul_(3)
+    exact = copy.deepcopy(model).double()
+    lm = cached(model)
+    assert all(s.relative_key_bias for s in lm.sites)
+    idx = torch.randint(0, V, (1, 604))
+    with torch.no_grad():
+        got = torch.cat((lm.prefill(idx[:, :600]), lm.step(idx[:, 600:602]), lm.step(idx[:, 602:])), 1).double()
+        written, want = model(idx).double(), exact(idx)
+    tail = slice(590, None)
+    assert (got - want)[:, tail].abs().max() <= 2 * (written - want)[:, tail].abs().max() + 1e-6

@@ -151,6 +151,9 @@ class Match:
     #: additive mask terms of one value per key (``[..., 1, Tk]``: ALiBi's ``slope * j``), set apart by the KV
     #: cache, which keeps them with the keys; empty for every other route (:func:`attnopt.pipeline.kv.cached`)
     key_bias: list[Any] = field(default_factory=list)
+    #: the key terms are one per key only up to a constant per row (MPT's, relative to the last key): the cache
+    #: adds them anchored at their largest (see ``KVCacheAttention.relative_key_bias``)
+    relative_key_bias: bool = False
 
 
 class NearMiss(Refusal):

@@ -522,8 +522,13 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
       included), where ``S`` is at least the model's declared maximum length, so the cache never serves more;
     * slices of size-1 axes that keep them whole for every ``T >= 1`` (``max(0, 1 - T):``) are looked through;
     * the table is computed in forward from numbers alone (no input, parameter, buffer or size, nothing written in
-      place) and is affine along its last axis within a few units of rounding, its slope taken in float64 from
-      its ends. ``slope * j`` is then what the model adds up to that constant and to the table's own rounding.
+      place) and, over the last ``declared`` entries (all a call can read), every row is affine within 4 units
+      of rounding of that row's largest entry there, its slope taken in float64 from the ends. ``slope * j`` is
+      then what the model adds up to that constant and to the table's own rounding.
+
+    The new term is float64, so ``slope * j`` loses nothing at long lengths; the cache adds it less its largest
+    value per row, in the scores' dtype (``KVCacheAttention.relative_key_bias``), which for a positive slope is
+    ``slope * (j - L + 1)`` over the ``L`` keys, as written.
     """
     if node.op != "call_function" or node.target is not aten.slice.Tensor or declared is None:
         return None
@@ -554,24 +559,28 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
     value = _constant_value(gm, table)
     if value is None or not value.is_floating_point():
         return None
-    v = value.double()
-    slope = (v[..., -1:] - v[..., :1]) / (size - 1)
-    fit = v[..., :1] + slope * torch.arange(size, dtype=torch.float64, device=v.device)
-    if not bool(torch.isfinite(v).all()) or \
-            float((v - fit).abs().max()) > 4 * torch.finfo(value.dtype).eps * float(v.abs().max()) + 1e-30:
+    read = min(declared, size)  # the entries any call the cache serves reads: the last ``read``
+    if read < 2:
+        return None
+    v = value.double()[..., size - read:]
+    slope = (v[..., -1:] - v[..., :1]) / (read - 1)
+    fit = v[..., :1] + slope * torch.arange(read, dtype=torch.float64, device=v.device)
+    # row by row, against the row's own entries: a steep row's size must not excuse another row's bend
+    tolerance = 4 * torch.finfo(value.dtype).eps * v.abs().amax(-1, keepdim=True) + 1e-300
+    if not bool(torch.isfinite(v).all()) or not bool(((v - fit).abs() <= tolerance).all()):
         return None
     name = f"_attnopt_key_slope{sum(1 for b in gm._buffers if b.startswith('_attnopt_key_slope'))}"
-    gm.register_buffer(name, slope.to(value.dtype))
+    gm.register_buffer(name, slope)  # float64: ``slope * j`` keeps its precision at any length
     graph, fake = gm.graph, tv.fake_mode
     with graph.inserting_before(node):
         a = graph.get_attr(name)
         n = graph.call_function(aten.sym_size.int, (tokens, 1))
-        j = graph.call_function(aten.arange.default, (n,), {"dtype": value.dtype, "device": value.device})
+        j = graph.call_function(aten.arange.default, (n,), {"dtype": torch.float64, "device": value.device})
         term = graph.call_function(aten.mul.Tensor, (a, j))
     with fake:
         a.meta["val"] = fake.from_tensor(getattr(gm, name))
         n.meta["val"] = seq
-        j.meta["val"] = torch.arange(seq, dtype=value.dtype, device=value.device)
+        j.meta["val"] = torch.arange(seq, dtype=torch.float64, device=value.device)
         term.meta["val"] = a.meta["val"] * j.meta["val"]
     for new in (a, n, j, term):
         new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})

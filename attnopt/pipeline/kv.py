@@ -127,7 +127,8 @@ def build_cached(model: nn.Module, max_len: int | None = None, *, variant: str =
               for buf, (cuts, values) in zip(m.mask.guarded, m.mask.patterns) if buf.op == "get_attr"]
     if chosen:
         rewrite_sites(gm, chosen, "sdpa", {}, keep_sinks=True)  # 4. each to a site module ...
-    offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector, checks)  # 5. ... then to a KV-cache site
+    relative = {m.record.name for m in chosen if m.relative_key_bias}
+    offset, sites, site_nodes = _kv_sites(gm, tokens, variant, selector, checks, relative)  # 5. KV sites
     relaid_as_aten(gm, site_nodes)                         # (the layout changes the rewrite added, as ATen ops)
     try:
         plan = analyse_positions(gm, tokens, site_nodes, notes)  # 6. the rest is position-wise (else PositionError)
@@ -311,7 +312,7 @@ def _cacheable(gm: fx.GraphModule, found: list[Match], tokens: fx.Node, declared
             if why_apart is None:
                 why = None
             else:  # the reason as the attention was written
-                (m.mask, m.spec), m.key_bias = as_found, []
+                (m.mask, m.spec), m.key_bias, m.relative_key_bias = as_found, [], False
         if check is not None:
             checks.append(check)
         if why is None:
@@ -360,6 +361,7 @@ def _set_key_bias_apart(m: Match, gm: fx.GraphModule, tokens: fx.Node, declared:
         relative = None if not isinstance(t, Add) or t.relayout else relative_key_term(gm, t.mask, tokens, declared)
         if relative is not None:  # the same term up to a constant per row (MPT's): the keys' own part
             per_key.append(Add(relative, t.factor, t.dtype))
+            m.relative_key_bias = True
         elif isinstance(t, Add) and _one_per_key(t.mask):
             per_key.append(t)
         elif hidden is not None:  # the term per key with the mask filled into it: both, apart
@@ -499,8 +501,8 @@ def _flat_args(a: Any) -> list[Any]:
     return [y for x in a for y in _flat_args(x)] if isinstance(a, (tuple, list)) else [a]
 
 
-def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None, checks: list[MaskCheck]
-              ) -> tuple[fx.Node, list[KVCacheAttention], list[fx.Node]]:
+def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selector | None, checks: list[MaskCheck],
+              relative: set[str] = frozenset()) -> tuple[fx.Node, list[KVCacheAttention], list[fx.Node]]:
     """Add the ``offset`` input and replace every site module by a KV-cache site called ``(q, k, v, scale, offset)``;
     a site whose mask check found a sliding window keeps that window. A 0-d scale tensor (a learnt temperature)
     is folded into q; an attention sink's logits are passed as ``sink=``, the cache adds its key."""
@@ -528,6 +530,7 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
         site.window = windows.get(old.site_name, site.window)
         site.sink_lse = bool(node.kwargs.get("sink_lse", False))
         site.keeps_key_bias = key_bias is not None
+        site.relative_key_bias = old.site_name in relative
         name = f"attnopt_kv_{old.site_name}"
         gm.add_submodule(name, site)
         with graph.inserting_before(node):

@@ -781,7 +781,8 @@ class CachedLM:
                     if checked[s.site_name].window is None else
                     f" (mask checked a causal window of {checked[s.site_name].window} at each length)")
                  + ("" if s.window is None else f"; cache keeps the last {s.capacity} positions")
-                 + ("; a term per key (ALiBi) kept with the keys" if s.keeps_key_bias else "")]
+                 + ("; a term per key (ALiBi) kept with the keys" if s.keeps_key_bias else "")
+                 + (" (relative to the last key: kept as slope * j in float64)" if s.relative_key_bias else "")]
                 for s in self.sites]
         per = "unknown" if self.bytes_per_token is None else f"{self.bytes_per_token} B"
         bounded = "max_len positions" + ("" if all(s.window is None for s in self.sites) else

@@ -94,6 +94,10 @@ class KVCacheAttention(DispatchingSite):
         #: the keys, at the same slots (see :meth:`forward`)
         self.b_cache: torch.Tensor | None = None
         self.keeps_key_bias = False  # the graph passes ``key_bias`` (set by ``cached()``)
+        #: the key terms stand for a term relative to the last key (MPT's ``slope * (j - T + 1)``, passed as
+        #: ``slope * j`` in float64): each call adds them less their largest, in the scores' dtype, so the recent
+        #: keys' terms are small, as written, and no precision is lost to ``slope * j`` at long lengths
+        self.relative_key_bias = False
         self.score_mod: Any = None  # an elementwise score modifier (``spec.ElementwiseScoreMod``): reads no index
         #: the sink is read as ``sigmoid(logsumexp(s) - sink)`` (Granite-SWA): ``+inf`` as the largest finite logit
         self.sink_lse = False
@@ -197,6 +201,8 @@ class KVCacheAttention(DispatchingSite):
         bias = kwargs.pop("key_bias", None)
         if bias is not None:  # the keys' own terms (..., K), over the kept keys only
             assert bias.dim() == q.dim() - 1, "key_bias reaches _attend as the cached keys' terms (..., K)"
+            if self.relative_key_bias:  # a constant per row (any is exact): the largest, the last key's for slope > 0
+                bias = (bias - bias.amax(-1, keepdim=True)).to(q.dtype)
             mask, causal = _biased(bias, mask, causal, q.size(-2)), False
         q, keys, values, lead = candidate_layout(q, keys, values)
         if mask is not None:
