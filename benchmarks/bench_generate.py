@@ -160,7 +160,12 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
     lm.prefill(prompt)
     weights = weight_read_s(model, max(20, 4 * args.rounds))
-    return {"weight_read_ms": 1e3 * weights, "same_tokens": same, "first_s": first_s, "capture_s": capture_s,
+    one = prompt[:, :1]
+    with torch.no_grad():  # the model's own forward on one token, no history: the per-op floor of any step
+        one_token = time_alternating({"one": lambda: model(one)}, (), repeats=max(20, 4 * args.rounds),
+                                     warmup=3)["one"]
+    return {"weight_read_ms": 1e3 * weights, "one_token_ms": 1e3 * one_token, "same_tokens": same,
+            "first_s": first_s, "capture_s": capture_s,
             "compile_s": compile_s, "medians": medians, "steps": rows, "bytes_per_token": lm.bytes_per_token,
             "cache_bytes": lm.cache_bytes, "max_len": lm.max_len, "sites": len(lm.sites)}
 
@@ -263,7 +268,11 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
                    f"**{mid / res['weight_read_ms']:.2f}x** it (target <= 1.5x)" + (
                        "; with `compile=True` the step is **{:.2f}x** it.".format(
                            statistics.median(r["compiled_ms"] for r in res["steps"]) / res["weight_read_ms"])
-                       if compiled else "."))
+                       if compiled else ".") + (
+                       " The model's own forward on one token, without any cache or history, takes "
+                       f"{res['one_token_ms']:.2f} ms ({res['one_token_ms'] / res['weight_read_ms']:.2f}x the weight "
+                       f"read): the cached step is {mid / res['one_token_ms']:.2f}x that."
+                       if res.get("one_token_ms") else ""))
     out.append("#### Cache memory\n\n" + tabulate(mem, headers=["", ""], tablefmt="github"))
     return out
 
