@@ -153,6 +153,7 @@ class DispatchingSite(nn.Module):
         #: exact call signature -> _Plan: the per-call fast path (one tuple and one lookup per call); cleared
         #: whenever what it caches may change (a candidate raised, the selector's choices were forgotten)
         self._plans: dict[tuple, _Plan] = {}
+        self._by_shape: dict[tuple, _Plan] = {}  # the same plans by the calls' exact shapes (cleared with them)
         #: what the most recent eager call chose ("choice") and, per candidate, what its checked eager call
         #: ran: a traced call (compile=True) runs that (plain dicts: written on every call, cheaply)
         self._recent: dict[str, str] = {}
@@ -161,7 +162,7 @@ class DispatchingSite(nn.Module):
         self.fallbacks: dict[str, int] = {}
         #: sampled call times (s) of the selector's choices per shape key (None: no longer observed), a call count
         self.observed: dict[Any, list[float] | None] = {}
-        self._calls = 0
+        self._calls = [0]  # a list: counting through it costs no nn.Module.__setattr__ per call
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
         if selector is not None:
@@ -171,6 +172,7 @@ class DispatchingSite(nn.Module):
         state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
         state = dict(state)
         state["_plans"] = {}  # a cache of what _checked, tuning and _failed decide; its candidates may not pickle
+        state["_by_shape"] = {}
         return state
 
     def count_fallback(self, reason: str) -> None:
@@ -184,6 +186,7 @@ class DispatchingSite(nn.Module):
         """Ask the selector again on the next call (after it adopted another rank's choices)."""
         self.tuning.clear()
         self._plans.clear()
+        self._by_shape.clear()
         if self.record is not None:
             self.record.extra.pop("tuning", None)
 
@@ -198,7 +201,8 @@ class DispatchingSite(nn.Module):
             yield
         finally:
             self.candidate = own
-            self._plans.clear()  # plans made for ``candidate``
+            self._plans.clear()
+            self._by_shape.clear()  # plans made for ``candidate``
             self._recent.clear()
             self._ran.clear()
 
@@ -213,7 +217,8 @@ class DispatchingSite(nn.Module):
 
         Everything steps 1-5 decide depends on the call's signature only (shapes, the lengths in the selector's
         buckets, dtype, device, the mask's dtype and layout, causal, dropout, gradients; :func:`_signature`):
-        after the first call of a signature it is one tuple and one dictionary lookup (:class:`_Plan`). The
+        after the first call of a signature it is one tuple and one dictionary lookup (:class:`_Plan`), by the
+        call's exact shapes first and by its signature for new shapes (a decode step's growing cache). The
         first call of each signature goes the whole way (the selector's table, the per-key check), so a new
         shape key, dtype, device, grad mode or mask dtype is always chosen and checked.
         """
@@ -228,10 +233,19 @@ class DispatchingSite(nn.Module):
         mask = kwargs["attn_mask"]
         if grad is None:
             grad = needs_grad(q, k, v, mask)
-        call = _signature(q, k, v, mask, kwargs, grad)
-        plan = self._plans.get(call)
+        exact = (q.shape, k.shape, v.shape, q.dtype, q.device,
+                 None if mask is None else (mask.dtype, mask.shape, mask.requires_grad),
+                 kwargs["is_causal"], kwargs["dropout_p"] > 0, grad)
+        plan = self._by_shape.get(exact)  # the same shapes again: one lookup (a fixed-shape model's every call)
         if plan is None:
-            plan = self._plan(call, q, k, v, kwargs, grad)
+            call = _signature(q, k, v, mask, kwargs, grad)
+            plan = self._plans.get(call)
+            if plan is None:
+                plan = self._plan(call, q, k, v, kwargs, grad)
+            if call in self._plans:  # kept: found by its shapes from now on
+                if len(self._by_shape) > _TABLE_LIMIT:
+                    self._by_shape.clear()
+                self._by_shape[exact] = plan
         self._recent["choice"] = plan.choice
         self._ran[plan.asked] = plan.name
         if plan.fallback is not None:
@@ -240,8 +254,9 @@ class DispatchingSite(nn.Module):
             if plan.wrapped:
                 return recomputable(self, plan.fn, q, k, v, kwargs)
             if plan.key is not None:
-                self._calls += 1
-                if not self._calls % _SAMPLE_EVERY:
+                calls = self._calls
+                calls[0] += 1
+                if not calls[0] % _SAMPLE_EVERY:
                     return self._observe(plan, q, k, v, kwargs)
             return plan.fn(q, k, v, **kwargs)
         except Exception as e:  # noqa: BLE001 - never break the user's model; say what happened
@@ -251,6 +266,7 @@ class DispatchingSite(nn.Module):
             log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
             self._failed.add(name)
             self._plans.clear()
+            self._by_shape.clear()
             self.count_fallback(f"{name} raised at this site: math")
             return get_candidate("math")(q, k, v, **kwargs)
 
@@ -302,6 +318,7 @@ class DispatchingSite(nn.Module):
         if keep:
             if len(self._plans) > _TABLE_LIMIT:
                 self._plans.clear()
+                self._by_shape.clear()
             self._plans[call] = plan
         return plan
 
