@@ -89,6 +89,12 @@ class Alibi(nn.Module):
             bend = torch.where((torch.arange(H)[:, None] == 1) & (i % 2 == 0) & (i > 0) & (i < S - 4), 5.0, 0.0)
             term = (rel * slopes[:, None] + bend)[:, None, :][:, :, S - T:]
             att = (s + term).masked_fill(~keep, float("-inf"))
+        elif self.how == "end_far_bend":  # a table twice the declared length, bent beyond what 24 keys read
+            S = 2 * self.config.block_size
+            slopes = 1.0 / torch.pow(2, torch.arange(1, H + 1, device=idx.device).float() * (8 / H))
+            rel = torch.arange(1 - S, 1, device=idx.device).float()
+            bend = torch.where(torch.arange(S, device=idx.device) < S // 2, 3.0, 0.0)
+            att = (s + ((rel + bend) * slopes[:, None])[:, None, S - T:]).masked_fill(~keep, float("-inf"))
         elif self.how.startswith("end_"):  # MPT's: a table built in forward, read from its end (changes with T)
             S = self.config.block_size
             if self.how == "end_buffer":  # from a buffer, which may change: refused
@@ -307,3 +313,10 @@ def test_a_term_relative_to_the_last_key_keeps_its_precision_at_long_lengths():
         written, want = model(idx).double(), exact(idx)
     tail = slice(590, None)
     assert (got - want)[:, tail].abs().max() <= 2 * (written - want)[:, tail].abs().max() + 1e-6
+
+
+def test_a_table_bent_where_a_longer_max_len_would_read_is_refused():
+    """``max_len`` may exceed the declared length up to the table's size: the whole table must be affine, not
+    only the entries the declared length reads (a 36-token call reads the bend)."""
+    with pytest.raises(PositionError, match="slices a table by a range computed from the sequence length"):
+        cached(Alibi("end_far_bend").eval(), max_len=40)

@@ -262,3 +262,16 @@ def test_a_site_that_ran_still_pickles_and_copies(candidate: str) -> None:
         for again in (pickle.loads(pickle.dumps(site)), copy.deepcopy(site)):
             assert again._plans == {} and again._checked == site._checked
             torch.testing.assert_close(again(q, k, v), want)
+
+
+def test_running_runs_its_candidate_for_shapes_planned_before() -> None:
+    """``running("math")`` serves every call with math, also a call whose shapes the site planned before."""
+    site = AttentionSite("s", CAUSAL, "sdpa")
+    q, k, v = qkv()
+    with torch.no_grad():
+        site(q, k, v)
+        with site.running("math"):
+            site(q, k, v)
+            assert site._ran == {"math": "math"}
+        site(q, k, v)
+    assert site._ran == {"sdpa": "sdpa"}

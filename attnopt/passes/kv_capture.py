@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,7 @@ def not_cacheable(spec: AttentionSpec, mask_checked: bool = False) -> str | None
     if spec.conditions:
         return ("is causal only while a mask term computed at run time (e.g. a padding mask) hides no key, "
                 "which the cache cannot check")
-    if spec.fill_value is not None and spec.score_mod is not None:
+    if spec.fill_value is not None and spec.score_mod is not None:  # (find_sites refuses it too; kept as a guard)
         return (f"fills masked scores with the finite value {spec.fill_value:g} and modifies the scores, which the "
                 "cache's per-call bound on the fill does not cover")
     return None
@@ -507,6 +508,10 @@ def mask_check(gm: fx.GraphModule, m: Match, tokens: fx.Node, upto: int = 8, pro
     return check
 
 
+#: ``slice(x, d, start)`` to the end, as export records it (``end`` omitted or the largest int64).
+_FULL_SLICE = sys.maxsize
+
+
 def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declared: int | None) -> fx.Node | None:
     """A term per key equal to ``node`` up to a constant per softmax row, as a new node ``slope * arange(T)``
     (unwired), when ``node`` reads a constant table from its end (MPT's ALiBi); None otherwise.
@@ -522,8 +527,9 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
       included), where ``S`` is at least the model's declared maximum length, so the cache never serves more;
     * slices of size-1 axes that keep them whole for every ``T >= 1`` (``max(0, 1 - T):``) are looked through;
     * the table is computed in forward from numbers alone (no input, parameter, buffer or size, nothing written in
-      place) and, over the last ``declared`` entries (all a call can read), every row is affine within 4 units
-      of rounding of that row's largest entry there, its slope taken in float64 from the ends. ``slope * j`` is
+      place) and every row of it is affine within 4 units of rounding of that row's largest entry, its slope
+      taken in float64 from the ends (a call may read the whole table: ``max_len`` may exceed the declared
+      length up to ``S``). ``slope * j`` is
       then what the model adds up to that constant and to the table's own rounding.
 
     The new term is float64, so ``slope * j`` loses nothing at long lengths; the cache adds it less its largest
@@ -559,16 +565,17 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
     value = _constant_value(gm, table)
     if value is None or not value.is_floating_point():
         return None
-    read = min(declared, size)  # the entries any call the cache serves reads: the last ``read``
-    if read < 2:
-        return None
-    v = value.double()[..., size - read:]
-    slope = (v[..., -1:] - v[..., :1]) / (read - 1)
-    fit = v[..., :1] + slope * torch.arange(read, dtype=torch.float64, device=v.device)
-    # row by row, against the row's own entries: a steep row's size must not excuse another row's bend
-    tolerance = 4 * torch.finfo(value.dtype).eps * v.abs().amax(-1, keepdim=True) + 1e-300
+    # the whole table: a ``max_len`` above the declared length reads further back (up to ``size``); row by row,
+    # against the row's own entries, so a steep row's size does not excuse another row's bend
+    v = value.double()
+    slope = (v[..., -1:] - v[..., :1]) / (size - 1)
+    fit = v[..., :1] + slope * torch.arange(size, dtype=torch.float64, device=v.device)
+    tolerance = 4 * torch.finfo(value.dtype).eps * v.abs().amax(-1, keepdim=True) + torch.finfo(torch.float64).tiny
     if not bool(torch.isfinite(v).all()) or not bool(((v - fit).abs() <= tolerance).all()):
         return None
+    # the cache serves at most ``size`` positions: a longer call would read before the table's start
+    where = node.meta.get("stack_trace", "").strip().splitlines()[-1:] or [node.name]
+    gm.meta.setdefault("length_bounds", []).append((f"the table read from its end at {where[0].strip()}", size))
     name = f"_attnopt_key_slope{sum(1 for b in gm._buffers if b.startswith('_attnopt_key_slope'))}"
     gm.register_buffer(name, slope)  # float64: ``slope * j`` keeps its precision at any length
     graph, fake = gm.graph, tv.fake_mode
@@ -585,10 +592,6 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
     for new in (a, n, j, term):
         new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
     return term
-
-
-#: ``slice(x, d, start)`` to the end, as export records it (``end`` omitted or the largest int64).
-_FULL_SLICE = 9223372036854775807
 
 
 def _slice_args(node: fx.Node) -> tuple[Any, int, Any, Any, Any]:

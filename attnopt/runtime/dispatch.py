@@ -29,11 +29,13 @@ brings its call to the candidates' layout (:func:`candidate_layout`) and its key
    run clearly slower than its tuning measured is marked provisional (``Selector.slower_in_use``), so the
    next process or ``attnopt.tune`` times the candidates again.
 
-Steps 1, 2, 4 and 5 depend on the call's signature alone (shapes, dtype, device, the mask's dtype,
-shape and whether it requires a gradient, causal, dropout, gradients), so their outcome is kept per
-exact signature (a :class:`_Plan`): every later call of that signature costs one tuple and one
-dictionary lookup, and every new signature goes through the selector and the per-key check (checked
-apart when the mask requires a gradient: a check without it says nothing about that gradient).
+Steps 1, 2, 4 and 5 depend on the call's signature alone (shapes with the lengths in the selector's
+buckets, dtype, device, the mask's dtype, layout and whether it requires a gradient, causal, dropout,
+gradients), so their outcome is kept per signature (a :class:`_Plan`): a later call with the same exact
+shapes costs one tuple and one dictionary lookup, one with new shapes of a known signature (a decode step,
+its cache one key longer) two of each, and every new signature goes through the selector and the per-key
+check (checked apart when the mask requires a gradient: a check without it says nothing about that
+gradient).
 
 >>> import torch
 >>> from attnopt.spec import AttentionSpec
@@ -150,8 +152,8 @@ class DispatchingSite(nn.Module):
         self._failed: set[str] = set()  # candidates that raised here; this site runs math instead of them
         self._checked: dict[tuple, str] = {}  # (candidate, ShapeKey) -> what runs: it, or its replacement
         self._checked_mask_grad: dict[tuple, str] = {}  # the same for calls whose mask requires a gradient
-        #: exact call signature -> _Plan: the per-call fast path (one tuple and one lookup per call); cleared
-        #: whenever what it caches may change (a candidate raised, the selector's choices were forgotten)
+        #: call signature (:func:`_signature`) -> _Plan; cleared whenever what it caches may change (a candidate
+        #: raised, the selector's choices were forgotten)
         self._plans: dict[tuple, _Plan] = {}
         self._by_shape: dict[tuple, _Plan] = {}  # the same plans by the calls' exact shapes (cleared with them)
         #: what the most recent eager call chose ("choice") and, per candidate, what its checked eager call
@@ -197,6 +199,10 @@ class DispatchingSite(nn.Module):
         get_candidate(candidate)
         own = self.candidate
         self.candidate = candidate
+        self._plans.clear()  # plans made for the site's own candidate
+        self._by_shape.clear()
+        self._recent.clear()
+        self._ran.clear()
         try:
             yield
         finally:

@@ -111,7 +111,9 @@ class KVCacheAttention(DispatchingSite):
         return self.max_len if self.window is None else min(self.window, self.max_len)
 
     def extra_repr(self) -> str:
-        return f"{self.site_name}: capacity={self.capacity}, {self.candidate}, {self.spec.describe()}"
+        extra = (", key terms relative to the last key" if self.relative_key_bias else
+                 ", key terms" if self.keeps_key_bias else "")
+        return f"{self.site_name}: capacity={self.capacity}, {self.candidate}, {self.spec.describe()}{extra}"
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = self.b_cache = self.k_norm = None
@@ -167,11 +169,14 @@ class KVCacheAttention(DispatchingSite):
         ``-inf`` hides a kept key (a row left with its future keys only). Past the bound the model
         as written lets a query see future keys, which no cache can compute: the call raises ``PositionError``
         (``RuntimeError`` from the compiled graph's assert with ``compile=True``)."""
-        fill = self.spec.fill_value
-        assert fill is not None
+        assert self.spec.fill_value is not None
+        # at most as negative as the scores' dtype stores it (-1e4 is -9984 in bfloat16): rounding moves it by at
+        # most one unit of its precision (plain arithmetic, which a compiled step traces without a graph break)
+        fill = self.spec.fill_value * (1 - torch.finfo(q.dtype).eps)
         fresh = offset.fresh if isinstance(offset, Rows) else offset == 0
         with torch.no_grad():
-            qn, kn = (torch.linalg.vector_norm(x.detach().float(), dim=-1) for x in (q, k))
+            wide = torch.promote_types(q.dtype, torch.float32)  # half types accumulate in float32, no copy
+            qn, kn = (torch.linalg.vector_norm(x.detach(), dim=-1, dtype=wide).float() for x in (q, k))
             if isinstance(offset, Rows):  # padding slots: never attended, their results unused
                 real = offset.real.reshape(-1)
                 qn, kn = qn[..., real], kn[..., real]
@@ -202,7 +207,8 @@ class KVCacheAttention(DispatchingSite):
         if bias is not None:  # the keys' own terms (..., K), over the kept keys only
             assert bias.dim() == q.dim() - 1, "key_bias reaches _attend as the cached keys' terms (..., K)"
             if self.relative_key_bias:  # a constant per row (any is exact): the largest, the last key's for slope > 0
-                bias = (bias - bias.amax(-1, keepdim=True)).to(q.dtype)
+                # bounded again in the scores' dtype, where it is added (the float64 term's bound says nothing there)
+                bias = _bounded_bias((bias - bias.amax(-1, keepdim=True)).to(q.dtype), self.site_name)
             mask, causal = _biased(bias, mask, causal, q.size(-2)), False
         q, keys, values, lead = candidate_layout(q, keys, values)
         if mask is not None:
