@@ -192,7 +192,8 @@ class KVCacheAttention(DispatchingSite):
             torch._assert_async(ok, f"the fill of {self.site_name} may carry weight")
         elif not bool(ok):
             raise PositionError(
-                f"{self.site_name} fills its masked scores with {fill:g}, and at this call its scores may reach "
+                f"{self.site_name} fills its masked scores with {self.spec.fill_value:g}, and at this call its "
+                "scores may reach "
                 f"{abs(scale) * float(qn * self.k_norm):.4g} in size (|scale| * max|q| * max|k|; unscaled "
                 f"{float(qn * self.k_norm):.4g}, in {q.dtype}): the model as written may then give future keys "
                 "weight, which a KV cache cannot compute. Generate by full "
