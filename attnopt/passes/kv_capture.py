@@ -532,9 +532,10 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
       length up to ``S``). ``slope * j`` is
       then what the model adds up to that constant and to the table's own rounding.
 
-    The new term is float64, so ``slope * j`` loses nothing at long lengths; the cache adds it less its largest
-    value per row, in the scores' dtype (``KVCacheAttention.relative_key_bias``), which for a positive slope is
-    ``slope * (j - L + 1)`` over the ``L`` keys, as written.
+    The new term is float64 (float32 on MPS, which has none), so ``slope * j`` loses nothing at long lengths;
+    the cache adds it less its largest value per row, in the scores' dtype
+    (``KVCacheAttention.relative_key_bias``), which for a positive slope is ``slope * (j - L + 1)`` over the
+    ``L`` keys, as written.
     """
     if node.op != "call_function" or node.target is not aten.slice.Tensor or declared is None:
         return None
@@ -567,7 +568,7 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
         return None
     # the whole table: a ``max_len`` above the declared length reads further back (up to ``size``); row by row,
     # against the row's own entries, so a steep row's size does not excuse another row's bend
-    v = value.double()
+    v = value.detach().cpu().double()  # (checked on the CPU: some devices have no float64)
     slope = (v[..., -1:] - v[..., :1]) / (size - 1)
     fit = v[..., :1] + slope * torch.arange(size, dtype=torch.float64, device=v.device)
     tolerance = 4 * torch.finfo(value.dtype).eps * v.abs().amax(-1, keepdim=True) + torch.finfo(torch.float64).tiny
@@ -577,17 +578,19 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
     where = node.meta.get("stack_trace", "").strip().splitlines()[-1:] or [node.name]
     gm.meta.setdefault("length_bounds", []).append((f"the table read from its end at {where[0].strip()}", size))
     name = f"_attnopt_key_slope{sum(1 for b in gm._buffers if b.startswith('_attnopt_key_slope'))}"
-    gm.register_buffer(name, slope)  # float64: ``slope * j`` keeps its precision at any length
+    # float64: ``slope * j`` keeps its precision at any length (float32 where the device has no float64: MPS)
+    wide = torch.float32 if value.device.type == "mps" else torch.float64
+    gm.register_buffer(name, slope.to(device=value.device, dtype=wide))
     graph, fake = gm.graph, tv.fake_mode
     with graph.inserting_before(node):
         a = graph.get_attr(name)
         n = graph.call_function(aten.sym_size.int, (tokens, 1))
-        j = graph.call_function(aten.arange.default, (n,), {"dtype": torch.float64, "device": value.device})
+        j = graph.call_function(aten.arange.default, (n,), {"dtype": wide, "device": value.device})
         term = graph.call_function(aten.mul.Tensor, (a, j))
     with fake:
         a.meta["val"] = fake.from_tensor(getattr(gm, name))
         n.meta["val"] = seq
-        j.meta["val"] = torch.arange(seq, dtype=torch.float64, device=value.device)
+        j.meta["val"] = torch.arange(seq, dtype=wide, device=value.device)
         term.meta["val"] = a.meta["val"] * j.meta["val"]
     for new in (a, n, j, term):
         new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
