@@ -106,17 +106,10 @@ def test_hugging_face_openai_gpt():
                                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     torch.manual_seed(0)
     model = transformers.OpenAIGPTLMHeadModel(cfg).eval()
-    lm = cached(model)
+    lm = assert_cached_exactly(model)
     assert [s.spec.fill_value for s in lm.sites] == [-1e4, -1e4]
     idx = torch.randint(0, V, (2, 5))
-    with torch.no_grad():
-        full = model(torch.cat((idx, idx[:, :3]), 1)).logits
-        torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
-    assert torch.equal(generate(model, idx, 9), generate_plain(model, idx, 9))
-    prompts = [torch.randint(0, V, (n,)) for n in (6, 1, 3)]
-    alone = [generate_plain(model, p[None], 8)[0] for p in prompts]
-    assert all(torch.equal(g, a) for g, a in zip(generate(lm, prompts, 8), alone))
+    assert torch.equal(generate(model, idx, 9), generate_plain(model, idx, 9))  # the cache generate builds itself
 
 
 class FilledAlibi(Filled):

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from attnopt.generation import PositionError, cached, generate, generate_plain
-from attnopt.passes.kv_capture import forward_kwargs
+from attnopt.passes.kv_capture import forward_kwargs, logits_of
 
 V, C, H = 40, 16, 2
 D = C // H
@@ -37,14 +37,15 @@ def _alone(model, prompts, n):
     return [generate_plain(model, p[None], n)[0] for p in prompts]
 
 
-def assert_cached_exactly(model):
-    """``cached(model)``'s prefill and a step of 3 give the full recompute's logits; ``generate`` gives the plain
-    loop's tokens, batched and for ragged prompts (6, 1, 3) each against that prompt alone."""
-    lm = cached(model)
+def assert_cached_exactly(model, max_len=None):
+    """``cached(model)``'s prefill and a step of 3 give the full recompute's logits (a tensor or ``.logits``);
+    ``generate`` gives the plain loop's tokens, batched and for ragged prompts (6, 1, 3) each against that prompt
+    alone."""
+    lm = cached(model, max_len=max_len)
     idx = torch.randint(0, V, (2, 5))
     with torch.no_grad():
         seq = torch.cat((idx, idx[:, :3]), 1)
-        full = model(seq, **forward_kwargs(model, seq))  # an all-ones attention_mask where forward requires one
+        full = logits_of(model(seq, **forward_kwargs(model, seq)))  # all-ones attention_mask where forward needs one
         torch.testing.assert_close(lm.prefill(idx), full[:, :5], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lm.step(idx[:, :3]), full[:, 5:], atol=1e-5, rtol=1e-5)
     assert torch.equal(generate(lm, idx, 9), generate_plain(model, idx, 9))

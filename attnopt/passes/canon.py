@@ -369,22 +369,15 @@ def _scale_or_binary(kind: str) -> Reader:
     return read_
 
 
-def _rsub(node: fx.Node, _: Any) -> Op | None:
-    """``aten.rsub(a, b)`` is ``b - a`` (export's spelling of ``1 - m``); only with ``alpha`` 1."""
-    alpha = node.args[2] if len(node.args) > 2 else node.kwargs.get("alpha", 1)
-    if alpha != 1:
-        return None
-    return Op("sub", (_arg(node, 1, "other"), node.args[0]), _spell(node))
-
-
-def _scalar_add_or_sub(kind: str) -> Reader:
-    """``aten.add.Scalar`` / ``aten.sub.Scalar``, whose ``alpha`` is positional; only with ``alpha`` 1."""
+def _alpha_one(kind: str, swapped: bool = False) -> Reader:
+    """``aten.add.Scalar`` / ``aten.sub.Scalar``, whose ``alpha`` may be positional, and with ``swapped``
+    ``aten.rsub(a, b)``, which is ``b - a`` (export's spelling of ``1 - m``); only with ``alpha`` 1."""
 
     def read_(node: fx.Node, _: Any) -> Op | None:
-        alpha = node.args[2] if len(node.args) > 2 else node.kwargs.get("alpha", 1)
-        if alpha != 1:
+        if _arg(node, 2, "alpha", 1) != 1:
             return None
-        return Op(kind, (node.args[0], _arg(node, 1, "other")), _spell(node))
+        a, b = node.args[0], _arg(node, 1, "other")
+        return Op(kind, (b, a) if swapped else (a, b), _spell(node))
 
     return read_
 
@@ -557,8 +550,9 @@ _FUNCTIONS: dict[Any, Reader] = {
     aten.div.Tensor: _scale_or_binary("div"), aten.div.Scalar: _scale_or_binary("div"),
     operator.add: _scale_or_binary("add"), torch.add: _scale_or_binary("add"),
     operator.iadd: _scale_or_binary("add"),
-    aten.add.Tensor: _scale_or_binary("add"), aten.add.Scalar: _scalar_add_or_sub("add"),
-    aten.sub.Scalar: _scalar_add_or_sub("sub"), aten.rsub.Scalar: _rsub, aten.rsub.Tensor: _rsub, torch.rsub: _rsub,
+    aten.add.Tensor: _scale_or_binary("add"), aten.add.Scalar: _alpha_one("add"),
+    aten.sub.Scalar: _alpha_one("sub"), **dict.fromkeys((aten.rsub.Scalar, aten.rsub.Tensor, torch.rsub),
+                                                        _alpha_one("sub", swapped=True)),
     # in place, as torch.export records ``s += m`` (later ops read the in-place node's result)
     aten.add_.Tensor: _scale_or_binary("add"), aten.mul_.Tensor: _scale_or_binary("mul"),
     aten.div_.Tensor: _scale_or_binary("div"),

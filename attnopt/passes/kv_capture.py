@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.fx.operator_schemas import normalize_function
 
 from ..runtime.kv_cache import MaskCheck
 from ..spec import AttentionSpec
@@ -598,10 +599,10 @@ def relative_key_term(gm: fx.GraphModule, node: fx.Node, tokens: fx.Node, declar
 
 
 def _slice_args(node: fx.Node) -> tuple[Any, int, Any, Any, Any]:
-    args = list(node.args) + [None] * (5 - len(node.args))
-    x, dim, start, end, step = args[:5]
-    return (x, node.kwargs.get("dim", 0 if dim is None else dim), node.kwargs.get("start", start),
-            node.kwargs.get("end", end), node.kwargs.get("step", 1 if step is None else step))
+    """``aten.slice``'s ``(input, dim, start, end, step)``, defaults filled in."""
+    kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    assert kw is not None, "aten.slice.Tensor has a schema"
+    return tuple(kw.kwargs[k] for k in ("input", "dim", "start", "end", "step"))  # type: ignore[return-value]
 
 
 def _for_every_length(x: Any, t: sympy.Expr, want: Callable[[Any, Any], Any], equal: Any, upto: int | None = None
