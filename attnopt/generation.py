@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from .passes.kv_capture import forward_kwargs, logits_of
 from .passes.positions import PositionError
 from .pipeline.kv import SIZED_FOR_CALL, build_cached, cached
-from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens, left_pad, padding_of
+from .runtime.cached_lm import CachedLM, ModelChangedError, check_tokens, global_state, left_pad, padding_of
 from .runtime.kv_cache import KVCacheAttention, MaskCheck
 
 #: The cached model ``generate(model, ...)`` built for each module, per ``(max_len, variant, compile)``:
@@ -96,6 +96,13 @@ def _code(model: nn.Module) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _key(model: nn.Module, max_len: int | None, variant: str, compile: bool) -> tuple[Any, ...]:
+    """What a kept cached model is kept under: the options, and the settings its capture baked in (autocast, the
+    default dtype): a call under other settings gets (or builds) the one captured under those."""
+    param = next(iter(model.parameters()), None)
+    return max_len, variant, compile, global_state("cpu" if param is None else param.device.type)
+
+
 def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool, needed: int = 0
             ) -> tuple[CachedLM, bool]:
     """The cached model of an earlier ``generate(model, ...)`` with these options if its code is the same, or
@@ -104,7 +111,7 @@ def _reused(model: nn.Module, max_len: int | None, variant: str, compile: bool, 
     A model that names no maximum length (BLOOM: ALiBi has no position table) gets caches of ``needed`` positions
     (the prompt and the new tokens) rounded up to a power of two, at least 64; a later call that needs more
     builds it again, larger."""
-    key, code = (max_len, variant, compile), _code(model)
+    key, code = _key(model, max_len, variant, compile), _code(model)
     built = _REUSED.setdefault(model, {})
     if key in built and built[key][0] == code and not (built[key][1].max_len_source == SIZED_FOR_CALL and
                                                        needed > built[key][1].max_len):
@@ -376,7 +383,7 @@ def _stream(model: nn.Module | CachedLM, batch: _Batch, max_new_tokens: int, sto
     if max_new_tokens == 0:
         return
     pick = _picker(temperature, top_k, do_sample, generator)
-    key = (max_len, variant, compile)
+    key = None if isinstance(model, CachedLM) else _key(model, max_len, variant, compile)
     epoch = -1  # the cached model's epoch after this stream's prefill
 
     def first(x: torch.Tensor) -> torch.Tensor:
@@ -388,7 +395,7 @@ def _stream(model: nn.Module | CachedLM, batch: _Batch, max_new_tokens: int, sto
                 raise
             _REUSED[model].pop(key, None)  # the model changed since: capture it again
             _BUSY.discard(lm)
-            lm, _ = _reused(model, *key, batch.longest + max_new_tokens)  # type: ignore[arg-type]
+            lm, _ = _reused(model, max_len, variant, compile, batch.longest + max_new_tokens)  # type: ignore[arg-type]
             _BUSY.add(lm)
             logits = lm.prefill(x, batch.mask)
         epoch = lm.epoch

@@ -275,13 +275,13 @@ def test_generate_sizes_the_cache_of_a_model_with_no_maximum_length(monkeypatch)
     idx = torch.randint(0, V, (2, 5))
     assert torch.equal(attnopt.generate(model, idx, 9), generate_plain(model, idx, 9))
     assert len(captures) == 1
-    first = generation._REUSED[model][(None, "sdpa", False)][1]
+    first = generation._REUSED[model][generation._key(model, None, "sdpa", False)][1]
     assert first.max_len == 64 and "names no maximum length" in first.max_len_source
     assert torch.equal(attnopt.generate(model, idx, 4), generate_plain(model, idx, 4))
-    assert generation._REUSED[model][(None, "sdpa", False)][1] is first  # reused
+    assert generation._REUSED[model][generation._key(model, None, "sdpa", False)][1] is first  # reused
     long = torch.randint(0, V, (1, 70))
     assert torch.equal(attnopt.generate(model, long, 3), generate_plain(model, long, 3))
-    assert generation._REUSED[model][(None, "sdpa", False)][1].max_len == 128
+    assert generation._REUSED[model][generation._key(model, None, "sdpa", False)][1].max_len == 128
     assert len(captures) == 2
 
 

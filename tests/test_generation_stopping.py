@@ -108,7 +108,7 @@ def test_stream_is_lazy_and_closing_it_frees_the_cache(model):
     it.close()
     from attnopt import generation
 
-    ((_, kept),) = [v for k, v in generation._REUSED[model].items() if k == (None, "sdpa", False)]
+    ((_, kept),) = [v for k, v in generation._REUSED[model].items() if k == generation._key(model, None, "sdpa", False)]
     assert kept.cache_bytes == 0
     # and a model reused after an early close gives the right tokens
     assert torch.equal(generate(model, idx, 5), generate_plain(model, idx, 5))

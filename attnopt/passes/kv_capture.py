@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sympy
@@ -70,6 +71,24 @@ def forward_kwargs(model: nn.Module, idx: torch.Tensor) -> dict[str, Any]:
     return {"attention_mask": torch.ones_like(idx)} if needs_mask(model) else {}
 
 
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Put back the very objects a module's attributes held: ``torch.export`` sets a module's dicts and tuples
+    (``self.opts = {...}``) back as equal copies after tracing, which would part them from the references the
+    user (a closure, another module) holds to them, and from what the cached model's watch pins."""
+    held = [(m.__dict__, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for now, before in held:
+            for name, value in before.items():
+                if now.get(name, _GONE) is not value:
+                    now[name] = value
+
+
+_GONE = object()
+
+
 def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Node, Any]:
     """``forward(idx)`` as an ATen graph with symbolic batch and length, returning only the logits.
 
@@ -89,7 +108,8 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
         kwargs["attention_mask"] = forward_kwargs(model, example)["attention_mask"]
         dynamic = {**(dynamic or {}), "attention_mask": {0: dim, 1: dim}}
     try:
-        ep = torch.export.export(model, (example,), kwargs, dynamic_shapes=dynamic)
+        with _attributes_kept(model):
+            ep = torch.export.export(model, (example,), kwargs, dynamic_shapes=dynamic)
     except Exception as e:
         raise RuntimeError(f"torch.export could not capture {type(model).__name__}.forward(idx) with a dynamic "
                            f"batch and sequence length: {type(e).__name__}: {e}") from e

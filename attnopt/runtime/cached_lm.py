@@ -74,6 +74,14 @@ class _Pin:
         self.version, self.ptr = _stamp(self.tensor)
 
 
+def global_state(device_type: str = "cpu") -> tuple[Any, ...]:
+    """The global settings a capture bakes into the graph's dtypes: the default dtype (``torch.ones(T, T)``) and
+    autocast, on the CPU and on ``device_type``."""
+    kinds = dict.fromkeys(("cpu", device_type))
+    return (torch.get_default_dtype(),
+            *((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds))
+
+
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
     """What moves when ``t``'s values may have changed: its version counter (in-place writes) and storage
     address (``.data =``, dtype and device conversions)."""
@@ -90,8 +98,19 @@ _VERSION = operator.attrgetter("_version")
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 
 
+try:  # numpy's scalars (``np.float32(0.5)``) are plain values; its arrays are compared by value when small
+    import numpy as _np
+
+    _NUMPY_SCALARS: tuple[type, ...] = (_np.generic,)
+    _ARRAYS: tuple[type, ...] = (_np.ndarray,)
+except ImportError:  # pragma: no cover - numpy ships with every torch wheel attnopt supports
+    _NUMPY_SCALARS = _ARRAYS = ()
+
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format,
-          torch.layout, enum.Enum)
+          torch.layout, enum.Enum, *_NUMPY_SCALARS)
+
+#: A numpy array forward reads is compared by value on every call up to this size, by identity above it.
+_ARRAY_BYTES = 1 << 16
 
 
 #: Functions a module may hold and call (``self.act = F.gelu``): pinned by identity.
@@ -109,8 +128,10 @@ def _plain(value: Any, held: bool = False) -> Any:
     read as a constant."""
     if isinstance(value, _PLAIN):
         return type(value), value
-    if held and isinstance(value, (torch.Tensor, *_FUNCTIONS)):
-        return type(value), id(value)
+    if isinstance(value, _ARRAYS) and value.nbytes <= _ARRAY_BYTES:  # mutable: by value (``_mutable``)
+        return type(value), value.dtype.str, value.shape, value.tobytes()
+    if held and (isinstance(value, (torch.Tensor, *_FUNCTIONS, type, *_ARRAYS)) or _holds_fields(value)):
+        return type(value), id(value)  # an object with fields inside a tuple: its fields are pinned apart
     if isinstance(value, (tuple, list)):
         items = tuple(_plain(v, True) for v in value)
         return _MISSING if any(i is _MISSING for i in items) else (type(value), items)
@@ -126,12 +147,34 @@ def _moved(links: tuple[list[Any], list[Any], list[Any]]) -> bool:
     return any(map(operator.is_not, map(dict.get, dicts, keys), objects))
 
 
+def _moved_in(links: tuple[list[Any], list[Any], list[Any]]) -> bool:
+    """:func:`_moved` through getters (a class namespace's ``get``, ``getattr`` on a closure cell), in C loops; an
+    emptied cell counts as moved."""
+    getters, keys, objects = links
+    try:
+        return any(map(operator.is_not, map(_call, getters, keys), objects))
+    except (AttributeError, ValueError):
+        return True
+
+
+_call = getattr(operator, "call", lambda f, *args: f(*args))  # operator.call: Python 3.11
+
+
+def _getter(holder: Any) -> Any:
+    """``holder[key]`` as a C call: a namespace's ``get``, or ``getattr`` on the object a :class:`_Fields` views."""
+    return functools.partial(getattr, holder.obj) if isinstance(holder, _Fields) else holder.get
+
+
+#: How many objects with fields deep the watch follows a model's attributes (``self.cfg.sub.temp``: 2).
+_DEPTH = 4
+
+
 def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
     return tuple(list(c) for c in zip(*rows)) if rows else tuple([] for _ in range(width))
 
 
 def _mutable(value: Any) -> bool:
-    return isinstance(value, (list, dict)) or isinstance(value, tuple) and any(_mutable(v) for v in value)
+    return isinstance(value, (list, dict, *_ARRAYS)) or isinstance(value, tuple) and any(_mutable(v) for v in value)
 
 
 def _shown(value: Any) -> Any:
@@ -143,7 +186,12 @@ def _shown(value: Any) -> Any:
         return type(value)(map(_shown, value)) if isinstance(value, list) else tuple(map(_shown, value))
     if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
         return {k: _shown(v) for k, v in value.items()}
-    return copy.deepcopy(value) if _mutable(value) else value
+    if _mutable(value):
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - it holds objects that cannot be copied (a module, a lock): its text
+            return _Shown(repr(value)[:200])
+    return value
 
 
 class _Shown(str):
@@ -194,11 +242,98 @@ def _user_methods(cls: type) -> list[Any]:
     return out
 
 
-def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, Any]]:
-    """``(globals, name, value)`` for the plain module-level values (and objects with fields, see
-    :func:`_holds_fields`) ``fn`` reads by name (its nested code too: lambdas, comprehensions), and those of the
-    user's module-level functions it calls, ``depth`` calls down."""
-    out: list[tuple[dict[str, Any], str, Any]] = []
+#: Modules whose attributes a forward reads are libraries' (their functions and constants do not change under it).
+_LIBRARIES = frozenset({"torch", "builtins", "typing", "numpy", "math", "cmath", "functools", "itertools", "operator",
+                        "collections", "logging", "warnings", "abc", "enum", "dataclasses", "inspect", "types",
+                        "weakref", "copy", "re", "attnopt"})
+
+
+def _users(value: Any) -> bool:
+    """A function, class or module of the user's (defined outside torch, the standard helpers and attnopt)."""
+    if isinstance(value, types.ModuleType):
+        home = value.__name__
+    elif isinstance(value, (types.FunctionType, type)):
+        home = value.__module__ or ""
+    else:
+        return False
+    return home.split(".")[0] not in _LIBRARIES
+
+
+class _Fields:
+    """An object's attributes seen through a dict's ``get`` (a closure cell, a ``functools.partial``), so that the
+    watch's lists hold them like dict entries."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return getattr(self.obj, key)
+        except (AttributeError, ValueError):  # an empty closure cell raises ValueError
+            return default
+
+
+def _code_names(fn: Any) -> set[str]:
+    """The names ``fn``'s code (its nested code too) reads as globals or attributes."""
+    names: set[str] = set()
+    codes = [fn.__code__] if hasattr(fn, "__code__") else []
+    while codes:
+        c = codes.pop()
+        codes.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
+        names.update(c.co_names)
+    return names
+
+
+def _readable(value: Any) -> bool:
+    """A value the watch pins: a plain value, an object with fields, a tensor, an array, or a function or class."""
+    return (_plain(value) is not _MISSING or _holds_fields(value) or isinstance(value, (torch.Tensor, *_ARRAYS))
+            or isinstance(value, (*_FUNCTIONS, type, staticmethod, classmethod, property)))
+
+
+def _class_reads(klass: type, names: set[str]) -> list[tuple[str, Any, str, Any]]:
+    """``(key, namespace, name, value)`` for the class attributes named in ``names`` of ``klass`` and of the user's
+    classes it derives from (``self.temperature`` where the class sets it, a helper method, ``Block.scale``)."""
+    out = []
+    for base in klass.__mro__:
+        if not _users(base):
+            continue
+        space = vars(base)
+        for name in names & space.keys():
+            if not (name.startswith("__") and name.endswith("__")) and _readable(space[name]):
+                out.append((f"{base.__qualname__}.{name} (class attribute)", space, name, space[name]))
+    return out
+
+
+def _closure_reads(fn: Any) -> list[tuple[str, Any, str, Any]]:
+    """``(key, cell view, "cell_contents", value)`` for the variables ``fn`` closes over (a class or function
+    defined inside another function reads them), and a ``functools.partial``'s arguments."""
+    if isinstance(fn, functools.partial):
+        view = _Fields(fn)
+        name = getattr(fn.func, "__qualname__", repr(fn.func))
+        return [(f"functools.partial({name}, ...).{part}", view, part, getattr(fn, part))
+                for part in ("func", "args", "keywords")]
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__:
+        return []
+    out = []
+    for var, cell in zip(code.co_freevars, fn.__closure__):
+        value = _Fields(cell).get("cell_contents", _MISSING)
+        if value is not _MISSING and var != "__class__" and _readable(value):
+            out.append((f"{fn.__qualname__}'s closure variable {var}", _Fields(cell), "cell_contents", value))
+    return out
+
+
+def _global_reads(fn: Any, depth: int = 3) -> list[tuple[str, Any, str, Any]]:
+    """``(key, holder, name, value)`` for the Python state ``fn`` reads that a capture makes constant: the plain
+    module-level values (and objects with fields, see :func:`_holds_fields`), tensors, functions and classes it
+    reads by name (its nested code too: lambdas, comprehensions); the attributes it names of a module or class of
+    the user's it reads (``knobs.SCALE``, ``Block.scale``); the variables it closes over; and the same for the
+    user's functions it calls, ``depth`` calls down. ``holder`` has a dict's ``get``: a module's globals, a
+    class's namespace, a closure cell's :class:`_Fields`."""
+    out: list[tuple[str, Any, str, Any]] = []
     seen: set[int] = set()
 
     def walk(f: Any, left: int) -> None:
@@ -207,21 +342,30 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[dict[str, Any], str, An
         if code is None or g is None or id(code) in seen:
             return
         seen.add(id(code))
-        codes = [code]
-        while codes:
-            c = codes.pop()
-            codes.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
-            for name in c.co_names:
-                if name not in g:
-                    continue
-                value = g[name]
-                if _plain(value) is not _MISSING or _holds_fields(value) or isinstance(value, torch.Tensor):
-                    out.append((g, name, value))
-                elif left > 0 and isinstance(value, types.FunctionType) and not (
-                        value.__module__ or "").startswith("torch"):
-                    walk(value, left - 1)
+        out.extend(_closure_reads(f))
+        names = _code_names(f)
+        where = g.get("__name__", "?")
+        for name in names & g.keys():
+            value = g[name]
+            if not (_readable(value) or isinstance(value, types.ModuleType) and _users(value)):
+                continue
+            if isinstance(value, (types.ModuleType, type, *_FUNCTIONS)) and not _users(value):
+                continue  # ``torch``, ``F.gelu``, ``math``: a library's
+            out.append((f"global `{name}` of {where}", g, name, value))
+            if isinstance(value, types.ModuleType):  # ``knobs.SCALE``: the attributes this code names
+                space = vars(value)
+                for attr in names & space.keys():
+                    if _readable(space[attr]) and not (isinstance(space[attr], (types.ModuleType, type, *_FUNCTIONS))
+                                                       and not _users(space[attr])):
+                        out.append((f"{value.__name__}.{attr}", space, attr, space[attr]))
+                        if left > 0 and isinstance(space[attr], types.FunctionType):
+                            walk(space[attr], left - 1)
+            elif isinstance(value, type):
+                out.extend(_class_reads(value, names))
+            elif left > 0 and isinstance(value, types.FunctionType):
+                walk(value, left - 1)
 
-    walk(fn, depth)
+    walk(getattr(fn, "__func__", fn), depth)
     return out
 
 
@@ -244,55 +388,88 @@ class _Attrs:
     def model(self) -> nn.Module:
         return _held(self._model)
 
-    def _keep(self, snapshot: dict[str, Any], same: list[Any], lists: list[Any], sizes: list[Any]) -> None:
+    def _keep(self, snapshot: dict[str, Any], same: list[Any], lists: list[Any], sizes: list[Any],
+              views: list[Any]) -> None:
         self.snapshot, self.lists = snapshot, lists
         self.same = _columns(same, 3)
+        self.views = _columns([(_getter(h), k, o) for h, k, o in views], 3)
         self.sized, self.sizes = _columns(sizes, 2)
 
-    def _take(self) -> tuple[dict[str, tuple[str, Any, Any]], list[Any], list[Any], list[Any]]:
+    def _take(self) -> tuple[dict[str, tuple[str, Any, Any]], list[Any], list[Any], list[Any], list[Any]]:
         """``{path: (kind, key, shown)}`` for every pinned item, and the lists :meth:`check` walks."""
         snap: dict[str, tuple[str, Any, Any]] = {}
         same: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, object): must be that very object
-        lists: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, frozen): mutable, compared by value
+        views: list[tuple[Any, str, Any]] = []  # the same through another holder's ``get`` (class, cell, partial)
+        lists: list[tuple[Any, str, Any]] = []  # (holder, key, frozen): mutable, compared by value
         sizes: list[tuple[Any, int]] = []  # (dict, len): an entry added or removed
-        owners, seen = [], set()
-        reads: dict[type, list[tuple[dict[str, Any], str, Any]]] = {}  # per class: every layer shares it
+        owners: list[tuple[str, Any, int]] = []  # (path, object, depth): modules, then objects with fields
+        seen: set[int] = set()
+        reads: dict[type, list[tuple[str, Any, str, Any]]] = {}  # per class: every layer shares it
+
+        def follow(path: str, obj: Any, depth: int) -> None:
+            if id(obj) not in seen and depth <= _DEPTH:
+                seen.add(id(obj))
+                owners.append((path, obj, depth))
+
+        def pin(key: str, holder: Any, name: str, value: Any, depth: int) -> None:
+            """Pin ``holder[name]`` (now ``value``): plain values by value, objects by identity (an object with
+            fields is followed: its own fields are pinned too, ``depth`` levels down)."""
+            if key in snap:
+                return
+            frozen = _plain(value)
+            if frozen is _MISSING:
+                if not _readable(value):
+                    return
+                if _holds_fields(value):  # by its fields: another config with the same fields is no change
+                    follow(key, value, depth + 1)
+                    frozen = (type(value), "fields")
+                else:
+                    frozen = ("tensor", id(value)) if isinstance(value, torch.Tensor) else (type(value), id(value))
+            elif isinstance(value, (tuple, list, dict)):  # objects with fields inside: pinned by identity, followed
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for k, item in items:
+                    if _holds_fields(item):
+                        follow(f"{key}[{k!r}]", item, depth + 1)
+            # an object (a tensor, a function, a config) added after the capture is not read by name as a constant
+            snap[key] = ("value" if _plain(value) is not _MISSING else "object", frozen, _shown(value))
+            if _mutable(value) and _plain(value) is not _MISSING:
+                lists.append((holder, name, frozen))
+            elif type(holder) is dict:
+                same.append((holder, name, value))
+            else:
+                views.append((holder, name, value))
+            if isinstance(value, _FUNCTIONS):  # what a held function reads: its globals, closure, partial arguments
+                for k, h, n, v in _global_reads(value) if not isinstance(value, functools.partial) else ():
+                    pin(k, h, n, v, depth)
+                for k, h, n, v in _closure_reads(value):
+                    pin(k, h, n, v, depth)
+
         for path, mod in self.model.named_modules():
-            owners.append((path, mod))
-            seen.add(id(mod))
+            follow(path, mod, 0)
         for hooks in _GLOBAL_HOOKS:
             held = getattr(nn.modules.module, hooks)
             snap[f"torch.nn.modules.module.{hooks}"] = ("hooks", len(held), len(held))
             sizes.append((held, len(held)))
-        for path, obj in owners:
+        for path, obj, depth in owners:  # grows while walked: objects with fields found on the way
             d = obj.__dict__
             sizes.append((d, len(d)))
             module = isinstance(obj, nn.Module)
+            if type(obj) not in reads:  # what forward and the other methods of the user's classes read
+                methods = _user_methods(type(obj))
+                names = set().union(*map(_code_names, methods)) if methods else set()
+                reads[type(obj)] = [*(r for fn in methods for r in (*_global_reads(fn), *_closure_reads(fn))),
+                                    *_class_reads(type(obj), names)]
+            for key, holder, name, value in reads[type(obj)]:
+                pin(key, holder, name, value, depth)
             if module:
                 for kind, table in (("parameters", obj._parameters), ("buffers", obj._buffers)):
                     # ``register_buffer`` after the capture, or a None slot given a tensor: forward may read it
-                    names = tuple(n for n, t in table.items() if t is not None)
-                    snap[f"{path or '<root>'} ({kind})"] = ("tensors", names, names)
+                    names_ = tuple(n for n, t in table.items() if t is not None)
+                    snap[f"{path or '<root>'} ({kind})"] = ("tensors", names_, names_)
                     sizes.append((table, len(table)))
                     for name, value in table.items():
                         if value is None:
                             same.append((table, name, None))
-                if type(obj) not in reads:  # what forward and the other methods of the user's classes read
-                    reads[type(obj)] = [r for fn in _user_methods(type(obj)) for r in _global_reads(fn)]
-                for g, name, value in reads[type(obj)]:
-                    key = f"global `{name}` of {g.get('__name__', '?')}"
-                    frozen = _plain(value)
-                    if isinstance(value, torch.Tensor):  # rebinding the name gives forward another tensor
-                        frozen = ("tensor", id(value))
-                    elif frozen is _MISSING:  # an object with fields (a namespace): its fields, one level down
-                        if id(value) not in seen:
-                            seen.add(id(value))
-                            owners.append((key, value))
-                        key += " (object)"
-                        frozen = id(value)
-                    if key not in snap:
-                        snap[key] = ("value", frozen, _shown(value))
-                        (lists if _mutable(value) else same).append((g, name, frozen if _mutable(value) else value))
                 for name, child in obj._modules.items():
                     key = f"{path}.{name}" if path else name
                     snap[key + " (module)"] = ("module", id(child), type(child).__name__)
@@ -310,35 +487,13 @@ class _Attrs:
             for name, value in d.items():
                 if module and name in _MODULE_INTERNALS:
                     continue
-                key = f"{path}.{name}" if path else name
-                frozen = _plain(value)
-                if frozen is not _MISSING:
-                    snap[key] = ("value", frozen, _shown(value))
-                    if _mutable(value):
-                        lists.append((d, name, frozen))
-                    else:
-                        same.append((d, name, value))
-                elif module and isinstance(value, _FUNCTIONS):  # ``self.act = F.gelu``, called by forward
-                    snap[key] = ("value", (type(value), id(value)), value)
-                    same.append((d, name, value))
-                    for g, gname, gvalue in _global_reads(value):  # the globals a function of the user's reads
-                        gkey = f"global `{gname}` of {g.get('__name__', '?')}"
-                        if gkey not in snap and not _mutable(gvalue):
-                            snap[gkey] = ("value", ("tensor", id(gvalue)) if isinstance(gvalue, torch.Tensor)
-                                          else _plain(gvalue) if _plain(gvalue) is not _MISSING else id(gvalue),
-                                          _shown(gvalue))
-                            same.append((g, gname, gvalue))
-                elif module and _holds_fields(value):
-                    # a config or plain object: its fields, one level down; the object itself pinned, so one put
-                    # in its place (``dataclasses.replace``) has its fields compared
-                    same.append((d, name, value))
-                    if id(value) not in seen:
-                        seen.add(id(value))
-                        owners.append((key, value))
-        return snap, same, lists, sizes
+                if module and isinstance(value, nn.Module):
+                    continue  # submodules live in ``_modules`` (pinned above)
+                pin(f"{path}.{name}" if path else name, d, name, value, depth)
+        return snap, same, lists, sizes, views
 
     def check(self) -> None:
-        if _moved(self.same) or list(map(len, self.sized)) != self.sizes:
+        if _moved(self.same) or list(map(len, self.sized)) != self.sizes or _moved_in(self.views):
             return self._compare()
         for d, key, frozen in self.lists:
             if _plain(d.get(key, _MISSING)) != frozen:
@@ -346,7 +501,7 @@ class _Attrs:
         return None
 
     def _compare(self) -> None:
-        before, (now, same, lists, sizes) = self.snapshot, self._take()
+        before, (now, same, lists, sizes, views) = self.snapshot, self._take()
         name = type(self.model).__name__
         again = "call attnopt.generation.cached(model) again to build the cached model from the model as it is now"
         for path in [*before, *(p for p in now if p not in before)]:
@@ -354,6 +509,8 @@ class _Attrs:
             if old is not None and new is not None and old[:2] == new[:2]:
                 continue
             kind = (old or new)[0]  # type: ignore[index]
+            if old is None and kind == "object":
+                continue  # a tensor or object set after the capture: forward did not read it (see ``_take``)
             if kind == "module":
                 what = ("was added" if old is None else "was removed" if new is None
                         else f"was replaced by another {new[2]}")
@@ -392,7 +549,9 @@ class _Attrs:
                 f"attributes as constants, so the cached graph computes with the old value: {again}")
         # No difference (an equal value assigned again, a non-plain attribute added): the fast lists follow
         # the objects there now. After a difference they keep the capture's, so every call compares again.
-        self._keep(now, same, lists, sizes)
+        # Objects set after the capture stay out of the snapshot: their removal is no change either.
+        now = {k: v for k, v in now.items() if k in before or v[0] != "object"}
+        self._keep(now, same, lists, sizes, views)
         return None
 
 
@@ -435,6 +594,8 @@ class Watch:
     def __init__(self, model: nn.Module, pins: list[_Pin]):
         self._model = weakref.ref(model)
         self.pins = pins
+        self.device_type = pins[0].device.type if pins and pins[0].device is not None else "cpu"
+        self.state = global_state(self.device_type)
         self.valued = [p for p in pins if p.patterns or p.checks]
         self.links: tuple[list[Any], ...] = ([], [], [])
         self._link()
@@ -465,9 +626,26 @@ class Watch:
     def check(self) -> bool:
         """Raise :class:`ModelChangedError` if the model is not the captured one; True if a tensor the graph
         reads was written since the last check (so keys and values cached before are stale)."""
+        if self._model() is None:
+            _held(self._model)  # raises: the model was deleted
+        if global_state(self.device_type) != self.state:
+            self._state_changed()
         written = self._tensors()
         self.attrs.check()
         return written
+
+    def _state_changed(self) -> None:
+        def shown(state: tuple[Any, ...]) -> str:
+            default, *casts = state
+            on = [f"torch.autocast({kind!r}, dtype={str(dtype).replace('torch.', '')})" for kind, enabled, dtype
+                  in casts if enabled]
+            return f"default dtype {str(default).replace('torch.', '')}, " + (", ".join(on) or "no autocast")
+        raise ModelChangedError(
+            f"this cached {type(self.model).__name__} was captured with {shown(self.state)} and is called with "
+            f"{shown(global_state(self.device_type))}: the captured graph computes in the dtypes of the capture, "
+            "while the model as written follows the settings of each call. Call it under the settings it was "
+            "built with, or build one for these with attnopt.generation.cached(model) under them "
+            "(attnopt.generate(model, ...) keeps one per setting)")
 
     def _tensors(self) -> bool:
         if _moved(self.links) or list(map(_VERSION, self.counted)) != self.versions \

@@ -1,0 +1,216 @@
+"""The watch over Python state a capture made constant, beyond a module's own attributes.
+
+``torch.export`` runs the model's Python once: every value forward reads becomes a constant of the cached
+graph. A cached model must therefore notice when one of them changes: a class attribute (read as
+``self.x`` or ``Block.x``), an attribute of a module of the user's (``knobs.SCALE``), a numpy scalar or array,
+a field of a nested config, an object held in a tuple, a function or method forward calls (a monkey patch),
+a ``functools.partial``'s arguments, a variable forward closes over, and the global settings that decide the
+graph's dtypes (autocast, the default dtype). Each case below changes one of them after the capture: the
+cached model must raise :class:`ModelChangedError`, and ``attnopt.generate(model, ...)`` must build again and
+give the tokens of the model as written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import attnopt
+from attnopt.generation import ModelChangedError, cached, generate_plain
+
+V, C, H = 48, 32, 2
+
+knobs = types.ModuleType("attnopt_test_knobs")  # a module of the user's, read by its global name
+knobs.SCALE = 1.0
+sys.modules[knobs.__name__] = knobs
+
+
+def shift(x):  # a module-level function forward calls
+    return x
+
+
+@dataclasses.dataclass
+class Inner:
+    temp: float = 1.0
+
+
+@dataclasses.dataclass
+class Outer:
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def make_block(how: str):
+    """The block class, defined in a function: its methods close over ``state`` (a closure variable)."""
+    state = {"temp": 1.0}
+
+    class Block(nn.Module):
+        temperature = 1.0  # a class attribute
+
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            self.np_temp = np.float32(1.0)
+            self.np_table = np.ones(3, dtype=np.float32)
+            self.cfg = Outer()
+            self.ns = types.SimpleNamespace(inner=types.SimpleNamespace(temp=1.0))
+            self.held = (1.0, Inner())
+            self.act = functools.partial(F.leaky_relu, negative_slope=1.0)  # the identity, as held
+
+        def temp(self) -> float:
+            if how == "class":
+                return self.temperature
+            if how == "class_by_name":
+                return Block.temperature
+            if how == "module":
+                return knobs.SCALE
+            if how == "numpy":
+                return float(self.np_temp)
+            if how == "array":
+                return float(self.np_table[1])
+            if how == "nested_config":
+                return self.cfg.inner.temp
+            if how == "nested_namespace":
+                return self.ns.inner.temp
+            if how == "tuple":
+                return self.held[1].temp
+            if how == "closure":
+                return state["temp"]
+            return 1.0
+
+        def scores(self, q, k):
+            return q @ k.transpose(-2, -1) * (C // H) ** -0.5
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+            s = self.scores(q, k) / self.temp()
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).tril() == 0, float("-inf"))
+            y = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+            return self.proj(self.act(shift(y)))
+
+    return Block, state
+
+
+class LM(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(0)
+        Block, self.state = make_block(how)
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(32, C)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(C, V)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def change(model: LM, how: str, monkeypatch) -> None:
+    Block = type(model.blocks[0])
+    if how in ("class", "class_by_name"):
+        monkeypatch.setattr(Block, "temperature", 0.05)
+    elif how == "module":
+        monkeypatch.setattr(knobs, "SCALE", 0.05)
+    elif how == "numpy":
+        for b in model.blocks:
+            b.np_temp = np.float32(0.05)
+    elif how == "array":
+        for b in model.blocks:
+            b.np_table[1] = 0.05  # in place
+    elif how == "nested_config":
+        for b in model.blocks:
+            b.cfg.inner.temp = 0.05
+    elif how == "nested_namespace":
+        for b in model.blocks:
+            b.ns.inner.temp = 0.05
+    elif how == "tuple":
+        for b in model.blocks:
+            b.held[1].temp = 0.05
+    elif how == "closure":
+        model.state["temp"] = 0.05
+    elif how == "function":
+        monkeypatch.setitem(globals(), "shift", lambda y: y * 3.0)
+    elif how == "method":
+        monkeypatch.setattr(Block, "scores", lambda self, q, k: q @ k.transpose(-2, -1))
+    elif how == "partial":
+        for b in model.blocks:
+            b.act.keywords["negative_slope"] = -3.0
+    else:
+        raise AssertionError(how)
+
+
+CHANGES = ["class", "class_by_name", "module", "numpy", "array", "nested_config", "nested_namespace", "tuple",
+           "closure", "function", "method", "partial"]
+
+
+@pytest.mark.parametrize("how", CHANGES)
+def test_python_state_a_capture_made_constant_is_watched(how, monkeypatch):
+    model = LM(how).eval()
+    idx = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(1))
+    lm = cached(model)
+    attnopt.generate(model, idx, 6)  # kept: the next call reuses it
+    lm.prefill(idx)
+    change(model, how, monkeypatch)
+    want = generate_plain(model, idx, 6)
+    with torch.no_grad():
+        assert (model(idx) - lm.graph_module(idx, 0)).abs().max() > 1e-3, "the change must matter"
+    with pytest.raises(ModelChangedError):
+        lm.step(idx[:, -1:])
+    with pytest.raises(ModelChangedError):
+        lm.prefill(idx)
+    assert torch.equal(attnopt.generate(model, idx, 6), want)  # built again
+
+
+def test_the_same_values_set_again_keep_the_cache(monkeypatch):
+    model = LM("class").eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (1, 4))
+    lm.prefill(idx)
+    monkeypatch.setattr(type(model.blocks[0]), "temperature", 1.0)  # another float object, the same value
+    for b in model.blocks:
+        b.np_temp = np.float32(1.0)
+        b.cfg = Outer()  # another config with the same fields
+    with torch.no_grad():
+        assert torch.allclose(lm.step(idx[:, -1:])[0, -1], model(torch.cat([idx, idx[:, -1:]], 1))[0, -1], atol=1e-5)
+
+
+def test_a_call_under_other_autocast_or_default_dtype_is_refused_and_generate_keeps_one_per_setting():
+    model = LM("none").eval()
+    idx = torch.randint(0, V, (1, 4))
+    lm = cached(model)
+    lm.prefill(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ModelChangedError, match="autocast"):
+            lm.step(idx[:, -1:])
+        assert torch.equal(attnopt.generate(model, idx, 5), generate_plain(model, idx, 5))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(ModelChangedError, match="default dtype float64"):
+            lm.prefill(idx)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(attnopt.generate(model, idx, 5), generate_plain(model, idx, 5))
+    lm.prefill(idx)  # back under the settings it was built with
+
+
+def test_a_cached_model_whose_model_was_deleted_says_so():
+    model = LM("none").eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (1, 4))
+    lm.prefill(idx)
+    del model
+    gc.collect()
+    with pytest.raises(ModelChangedError, match="deleted"):
+        lm.prefill(idx)
