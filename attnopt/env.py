@@ -10,7 +10,10 @@ Every ``ATTNOPT_*`` variable is read here, at call time (tests and users may set
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+from pathlib import Path
 
 __version__ = "0.1.0"
 
@@ -20,6 +23,21 @@ AUTO = "auto"
 EAGER = "eager"
 #: Variant names accepted besides the registered candidates' names.
 VARIANTS = (AUTO, "sdpa", EAGER)
+
+
+
+@functools.cache
+def source_key() -> str:
+    """A digest of attnopt's own source: what a graph compiled with attnopt's sites was traced by.
+
+    Inductor's on-disk caches key a graph handed to them by its code and its modules' state, not by the
+    code of those modules: a compiled graph from another attnopt (an upgrade, an edited checkout) would
+    otherwise be served for the same graph. The backend stores this on every site before compiling."""
+    digest = hashlib.sha256(__version__.encode())
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
 
 _OFF_VALUES = frozenset(("0", "off", "false", "no"))
 _ON_VALUES = frozenset(("", "1", "on", "true", "yes"))

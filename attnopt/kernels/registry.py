@@ -63,6 +63,9 @@ class FunctionCandidate:
     devices: tuple[str, ...] = ()  # device types it runs on; empty: any
     costly: bool = False  # compiles per shape (seconds): the selector tries it only where nothing cheaper serves
     windowed: bool = False  # takes ``window=`` itself (else the window arrives as a bool mask)
+    #: computes the same function at every shape by construction (no code generated or picked per shape), so a
+    #: check at one shape speaks for a graph compiled for all shapes; see :func:`checked_at_every_shape`
+    every_shape: bool = False
 
     def supports(self, spec: AttentionSpec) -> str | None:
         return self.check(spec)
@@ -92,6 +95,15 @@ def get_candidate(name: str) -> Candidate:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown candidate {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def checked_at_every_shape(name: str) -> bool:
+    """Whether a check of ``name`` at one shape speaks for every shape: attnopt's own kernels written in PyTorch
+    ops and PyTorch's SDPA (which attnopt takes as the reference's equal), not FlexAttention (compiled per
+    shape, wrong at some small shapes on some CPUs) nor a candidate registered by the user (unknown code).
+    A graph compiled for dynamic shapes serves every shape with what it was traced with, and no check runs
+    inside it, so only these may be traced into one."""
+    return bool(getattr(_REGISTRY.get(name), "every_shape", False))
 
 
 def candidate_names() -> list[str]:

@@ -37,7 +37,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch
 
 
 register_candidate(FunctionCandidate("sdpa", _sdpa, _sdpa_supports,
-                                     "torch.nn.functional.scaled_dot_product_attention"))
+                                     "torch.nn.functional.scaled_dot_product_attention", every_shape=True))
 
 
 def _restricted(backend: SDPBackend) -> Callable[..., torch.Tensor]:
@@ -54,4 +54,5 @@ for _name, _backend, _devices in (("sdpa_flash", "FLASH_ATTENTION", ("cpu", "cud
                                   ("sdpa_cudnn", "CUDNN_ATTENTION", ("cuda",))):
     if hasattr(SDPBackend, _backend):
         register_candidate(FunctionCandidate(_name, _restricted(getattr(SDPBackend, _backend)), _sdpa_supports,
-                                             f"SDPA restricted to its {_backend.lower()} backend", _devices))
+                                             f"SDPA restricted to its {_backend.lower()} backend", _devices,
+                                             every_shape=True))

@@ -408,5 +408,5 @@ def _no_dropout(spec: AttentionSpec) -> str | None:
 for _n in (64, 128, 256):
     register_candidate(FunctionCandidate(f"tiled{_n}", partial(tiled_attention, block_q=_n, block_k=_n), _no_dropout,
                                          f"blockwise online-softmax attention in plain PyTorch, {_n}x{_n} tiles",
-                                         windowed=True))
+                                         windowed=True, every_shape=True))
 del _n

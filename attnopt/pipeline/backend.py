@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..config import OptimizeConfig
-from ..env import AUTO
+from ..env import AUTO, source_key
 from ..passes.hop import bodies
 from ..runtime.guards import BufferGuard
 from ..runtime.site import GUARDED_ARGS_START, AttentionSite
@@ -206,6 +206,10 @@ def _finish(gm: fx.GraphModule, example_inputs: Sequence[Any], config: OptimizeC
     from torch._inductor.compile_fx import compile_fx
 
     _tune_before_tracing(gm, example_inputs)
+    for site in gm.modules():
+        if isinstance(site, AttentionSite):
+            # part of the site's state, so of the key under which Inductor's caches keep the compiled graph
+            site.traced_by = source_key()
     compiled = compile_fx(gm, list(example_inputs))
     guards = _boundary_guards(gm)
     if not guards or fallback is None:
@@ -230,7 +234,10 @@ def _tune_before_tracing(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> N
     from torch._subclasses.fake_tensor import FakeTensor
 
     sites = [m for m in gm.modules() if isinstance(m, AttentionSite)]
-    if not sites or any(isinstance(x, FakeTensor) for x in example_inputs):
+    # A graph for dynamic shapes (sizes passed as SymInts) cannot run eagerly, and one run would check one shape
+    # only: its sites run candidates checked at every shape (``DispatchingSite._for_every_shape``).
+    if not sites or any(isinstance(x, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+                        for x in example_inputs):
         return
     # On copies of the buffers and inputs, with the random state restored: the run must leave no
     # trace (running statistics, in-place caches, counters, the RNG stream).

@@ -63,7 +63,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..env import AUTO
 from ..kernels.reference import reference_attention, tolerance
-from ..kernels.registry import get_candidate
+from ..kernels.registry import checked_at_every_shape, get_candidate
 from ..selection.selector import Call, length_bucket, shape_key
 from ..spec import AttentionSpec
 from .autograd import recomputable
@@ -177,6 +177,18 @@ class DispatchingSite(nn.Module):
         state["_by_shape"] = {}
         return state
 
+    def _for_every_shape(self, name: str) -> str:
+        """What a graph traced for dynamic shapes runs instead of ``name``, which was checked at one shape only."""
+        instead = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
+        reason = f"{name} in a graph compiled for dynamic shapes (checked at one shape only): {instead}"
+        if reason not in self.fallbacks:
+            warnings.warn(f"{self.site_name}: candidate {name!r} was checked against the model as written at one "
+                          f"shape only, and a graph compiled for dynamic shapes serves every shape with no check "
+                          f"inside it; {instead!r} runs there instead (pass dynamic=False to attnopt.optimize to "
+                          f"compile, and check, each shape apart)", stacklevel=2)
+        self.count_fallback(reason)
+        return instead
+
     def count_fallback(self, reason: str) -> None:
         """One more call of this site ran as written (or by a replacement) for ``reason``; ``explain()`` shows it."""
         counts = self.fallbacks
@@ -235,7 +247,10 @@ class DispatchingSite(nn.Module):
             name = self.candidate if self.candidate != AUTO else self._recent.get("choice", "math")
             if name in self._failed:
                 name = "math"
-            return get_candidate(self._ran.get(name, name))(q, k, v, **kwargs)
+            name = self._ran.get(name, name)
+            if not checked_at_every_shape(name) and _symbolic(q, k, v):
+                name = self._for_every_shape(name)
+            return get_candidate(name)(q, k, v, **kwargs)
         mask = kwargs["attn_mask"]
         if grad is None:
             grad = needs_grad(q, k, v, mask)
@@ -393,6 +408,11 @@ class DispatchingSite(nn.Module):
         if fallback == "math":
             return "math"
         return self._check(fallback, q, k, v, kwargs, grad, key)
+
+
+def _symbolic(*tensors: torch.Tensor) -> bool:
+    """Some size of these (traced) tensors is symbolic: the graph serves every size it stands for."""
+    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
 
 
 def _compare_with_reference(fn: Any, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
