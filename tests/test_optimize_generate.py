@@ -12,6 +12,7 @@ plain ``nn.Module`` still gets the ``OptimizedModule`` of before.
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import warnings
 from collections.abc import Callable
@@ -205,3 +206,17 @@ def test_a_model_without_generate_gets_an_optimized_module() -> None:
     q, k, v = torch.randn(3, 1, 2, 8, 4).unbind(0)
     torch.testing.assert_close(opt(q, k, v), model(q, k, v))
     assert attnopt.explain(opt).rewritten == 1
+
+
+@pytest.mark.parametrize("variant", ["auto", "sdpa"])
+def test_an_optimized_plain_module_pickles_and_runs(variant: str) -> None:
+    """``torch.save(opt)`` of a module without ``generate``: the selector and its tuning cache hold locks."""
+    opt = attnopt.optimize(_Attention(), variant=variant)
+    q = torch.randn(1, 2, 8, 4)
+    want = _Attention()(q, q, q)
+    torch.testing.assert_close(opt(q, q, q), want)
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    for twin in (pickle.loads(pickle.dumps(opt)), torch.load(buffer, weights_only=False)):
+        torch.testing.assert_close(twin(q, q, q), want)

@@ -321,6 +321,15 @@ class TuningCache:
         self._memory: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:  # a pickled optimized model: the lock is the process's own
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __repr__(self) -> str:
         where = str(self.directory) if self.disk else "memory only (ATTNOPT_CACHE off)"
         return f"TuningCache({where}, {len(self._memory)} in memory)"
