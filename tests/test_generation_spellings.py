@@ -207,10 +207,24 @@ class Untagged(Base):
         return self.head(x + self.merge(self.attend(rope(q), rope(k), v)))
 
 
+class PostMasked(Base):
+    """The scores masked, and the probabilities zeroed again on the same condition (``masked_fill(m, 0)`` after the
+    softmax): the rewrite zeroes rows with every key hidden, which a causal mask never has."""
+
+    def attend(self, q, k, v):
+        T = q.size(-2)
+        hidden = ~self.bias[:T, :T]
+        att = ((q @ k.transpose(-2, -1)) / math.sqrt(D)).masked_fill(hidden, float("-inf")).softmax(-1)
+        return att.masked_fill(hidden, 0.0) @ v
+
+    def forward(self, idx):
+        return self.block(self.embed(idx))
+
+
 @pytest.mark.parametrize("model", [Interleaved(), Tiled(), PickedHeads(), Counted(), Counted(takes_mask=True),
-                                   Counted(dtype=torch.long), FoldedHeads(), Untagged()],
+                                   Counted(dtype=torch.long), FoldedHeads(), Untagged(), PostMasked()],
                          ids=["repeat_interleave", "repeat", "fixed-index", "cumsum-of-ones", "cumsum-of-the-mask",
-                              "cumsum-of-long-ones", "folded-heads", "untagged-elementwise"])
+                              "cumsum-of-long-ones", "folded-heads", "untagged-elementwise", "masked-again-after"])
 def test_position_wise_spellings_are_cached_exactly(model):
     assert_cached_exactly(model.eval())
 

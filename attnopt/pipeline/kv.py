@@ -39,7 +39,7 @@ from ..passes.kv_capture import (
 )
 from ..passes.masks import Add, Fill
 from ..passes.positions import PositionError, analyse_positions, index_positions, offset_positions
-from ..passes.rewrite_sdpa import rewrite_sites
+from ..passes.rewrite_sdpa import rewrite_sites, zero_hidden_rows
 from ..runtime.cached_lm import CachedLM, watch_model
 from ..runtime.kv_cache import KVCacheAttention, MaskCheck
 from ..runtime.site import AttentionSite
@@ -541,6 +541,13 @@ def _kv_sites(gm: fx.GraphModule, tokens: fx.Node, variant: str, selector: Selec
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        if old.spec.causal is not None:
+            # the probabilities zeroed where the scores were hidden (``masked_fill(m, 0)`` after the softmax): only
+            # rows with every key hidden, and a causal mask keeps each query's own key, so there are none
+            for user in list(new.users):
+                if user.op == "call_function" and user.target is zero_hidden_rows and user.args[0] is new:
+                    user.replace_all_uses_with(new)
+                    graph.erase_node(user)
         sites.append(site)
         site_nodes.append(new)
     graph.eliminate_dead_code()
