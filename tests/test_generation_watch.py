@@ -44,6 +44,11 @@ class Inner:
 
 
 @dataclasses.dataclass
+class Biased:  # a config holding a tensor forward adds (a constant of the capture, shared with the model)
+    bias: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(C))
+
+
+@dataclasses.dataclass
 class Outer:
     inner: Inner = dataclasses.field(default_factory=Inner)
 
@@ -64,9 +69,12 @@ def make_block(how: str):
             self.ns = types.SimpleNamespace(inner=types.SimpleNamespace(temp=1.0))
             self.held = (1.0, Inner())
             self.act = functools.partial(F.leaky_relu, negative_slope=1.0)  # the identity, as held
+            self.skip = {1}
+            self.divisors = [1, 2, 3]
+            self.bias_cfg = Biased()
 
         def temp(self) -> float:
-            if how == "class":
+            if how in ("class", "subclass"):
                 return self.temperature
             if how == "class_by_name":
                 return Block.temperature
@@ -84,6 +92,12 @@ def make_block(how: str):
                 return self.held[1].temp
             if how == "closure":
                 return state["temp"]
+            if how == "literal":  # a name read by a literal: set on the class later, it shadows the default
+                return getattr(self, "override", 1.0)
+            if how == "set":
+                return 1.0 if 2 not in self.skip else 0.05
+            if how == "flat_list":
+                return float(self.divisors[0])
             return 1.0
 
         def scores(self, q, k):
@@ -95,9 +109,12 @@ def make_block(how: str):
             s = self.scores(q, k) / self.temp()
             s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).tril() == 0, float("-inf"))
             y = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
-            return self.proj(self.act(shift(y)))
+            return self.proj(self.act(shift(y))) + self.bias_cfg.bias
 
-    return Block, state
+    class Derived(Block):  # the layers' class: ``temperature`` and ``temp`` are its base's
+        pass
+
+    return Derived, state
 
 
 class LM(nn.Module):
@@ -117,9 +134,23 @@ class LM(nn.Module):
 
 
 def change(model: LM, how: str, monkeypatch) -> None:
-    Block = type(model.blocks[0])
+    Derived = type(model.blocks[0])
+    Block = Derived.__mro__[1]
     if how in ("class", "class_by_name"):
         monkeypatch.setattr(Block, "temperature", 0.05)
+    elif how == "subclass":  # set on the layers' own class, shadowing its base's
+        monkeypatch.setattr(Derived, "temperature", 0.05)
+    elif how == "literal":
+        monkeypatch.setattr(Block, "override", 0.05, raising=False)
+    elif how == "instance_method":  # a method shadowed on the instance
+        for b in model.blocks:
+            b.temp = lambda: 0.05
+    elif how == "set":
+        for b in model.blocks:
+            b.skip.add(2)
+    elif how == "flat_list":
+        for b in model.blocks:
+            b.divisors[0] = 20
     elif how == "module":
         monkeypatch.setattr(knobs, "SCALE", 0.05)
     elif how == "numpy":
@@ -150,8 +181,8 @@ def change(model: LM, how: str, monkeypatch) -> None:
         raise AssertionError(how)
 
 
-CHANGES = ["class", "class_by_name", "module", "numpy", "array", "nested_config", "nested_namespace", "tuple",
-           "closure", "function", "method", "partial"]
+CHANGES = ["class", "class_by_name", "subclass", "literal", "instance_method", "module", "numpy", "array",
+           "nested_config", "nested_namespace", "tuple", "closure", "function", "method", "partial", "set", "flat_list"]
 
 
 @pytest.mark.parametrize("how", CHANGES)
@@ -177,7 +208,7 @@ def test_the_same_values_set_again_keep_the_cache(monkeypatch):
     lm = cached(model)
     idx = torch.randint(0, V, (1, 4))
     lm.prefill(idx)
-    monkeypatch.setattr(type(model.blocks[0]), "temperature", 1.0)  # another float object, the same value
+    monkeypatch.setattr(type(model.blocks[0]).__mro__[1], "temperature", 1.0)  # another float object, the same value
     for b in model.blocks:
         b.np_temp = np.float32(1.0)
         b.cfg = Outer()  # another config with the same fields
@@ -214,3 +245,39 @@ def test_a_cached_model_whose_model_was_deleted_says_so():
     gc.collect()
     with pytest.raises(ModelChangedError, match="deleted"):
         lm.prefill(idx)
+
+
+def test_a_tensor_a_config_holds_written_in_place_is_followed():
+    """The graph reads the config's tensor itself: the cache recomputes its keys and values, as for weights."""
+    model = LM("none").eval()
+    lm = cached(model)
+    idx = torch.randint(0, V, (1, 4))
+    lm.prefill(idx)
+    for b in model.blocks:
+        b.bias_cfg.bias.add_(1.0)
+    seq = torch.cat([idx, idx[:, -1:]], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(lm.step(idx[:, -1:])[0, -1], model(seq)[0, -1], atol=1e-5, rtol=1e-5)
+
+
+class Bag:
+    """An attribute bag whose ``__getattr__`` raises ``KeyError`` (not AttributeError) for a missing name."""
+
+    def __init__(self):
+        self.__dict__["_d"] = {"mult": 1.0}
+
+    def __getattr__(self, name):
+        return self.__dict__["_d"][name]
+
+
+def test_odd_attribute_values_neither_crash_the_watch_nor_raise_when_unchanged():
+    model = LM("none").eval()
+    model.bag = Bag()
+    model.nan = float("nan")
+    lm = cached(model)
+    idx = torch.randint(0, V, (1, 4))
+    lm.prefill(idx)
+    model.nan = float("nan")  # another NaN object: no change
+    model.note = torch.zeros(1)  # an object under a name no code reads
+    lm.step(idx[:, -1:])
+    assert torch.equal(attnopt.generate(model, idx, 4), generate_plain(model, idx, 4))

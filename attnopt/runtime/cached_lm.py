@@ -9,6 +9,7 @@ proofs read and the plain attributes the capture made constants, and raises
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import enum
@@ -127,14 +128,19 @@ def _plain(value: Any, held: bool = False) -> Any:
     (``held``), a tensor or a function counts by identity: ``self.extra["bias"] = new`` replaces what forward
     read as a constant."""
     if isinstance(value, _PLAIN):
+        if isinstance(value, (float, complex, *_NUMPY_SCALARS)) and bool(value != value):
+            return type(value), "nan"  # NaN is unequal to itself: another NaN is no change
         return type(value), value
     if isinstance(value, _ARRAYS) and value.nbytes <= _ARRAY_BYTES:  # mutable: by value (``_mutable``)
         return type(value), value.dtype.str, value.shape, value.tobytes()
     if held and (isinstance(value, (torch.Tensor, *_FUNCTIONS, type, *_ARRAYS)) or _holds_fields(value)):
         return type(value), id(value)  # an object with fields inside a tuple: its fields are pinned apart
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list, collections.deque)):
         items = tuple(_plain(v, True) for v in value)
         return _MISSING if any(i is _MISSING for i in items) else (type(value), items)
+    if isinstance(value, (set, frozenset)):
+        members = [_plain(v, True) for v in value]
+        return _MISSING if any(i is _MISSING for i in members) else (type(value), frozenset(members))
     if isinstance(value, dict):  # ``self.opts["mult"]``: compared by value on every call, like a list
         pairs = tuple((_plain(k), _plain(v, True)) for k, v in value.items())
         return _MISSING if any(_MISSING in p for p in pairs) else (type(value), pairs)
@@ -173,8 +179,28 @@ def _columns(rows: list[tuple[Any, ...]], width: int) -> tuple[list[Any], ...]:
     return tuple(list(c) for c in zip(*rows)) if rows else tuple([] for _ in range(width))
 
 
+def _kinds(value: Any) -> Any:
+    """The types of a flat container's items (and a dict's values), in C loops: ``1`` set to ``1.0`` or ``True``
+    compares equal and is not the same constant."""
+    if isinstance(value, dict):
+        return tuple(map(type, value)), tuple(map(type, value.values()))
+    return frozenset(map(type, value)) if isinstance(value, (set, frozenset)) else tuple(map(type, value))
+
+
+def _flat_copy(value: Any) -> tuple[Any, Any] | None:
+    """``(shallow copy, item types)`` of a list, tuple, deque, set or dict of plain values (a vocabulary, an
+    ``id2label``), which :meth:`_Attrs.check` compares at C speed; None for anything else."""
+    if not isinstance(value, (list, tuple, collections.deque, set, frozenset, dict)):
+        return None
+    items = [*value, *value.values()] if isinstance(value, dict) else value
+    if not all(isinstance(v, _PLAIN) and not isinstance(v, (float, complex, *_NUMPY_SCALARS)) for v in items):
+        return None  # floats: NaN compares unequal to itself; containers and objects: by ``_plain``
+    return copy.copy(value), _kinds(value)
+
+
 def _mutable(value: Any) -> bool:
-    return isinstance(value, (list, dict, *_ARRAYS)) or isinstance(value, tuple) and any(_mutable(v) for v in value)
+    return isinstance(value, (list, dict, set, collections.deque, *_ARRAYS)) or \
+        isinstance(value, (tuple, frozenset)) and any(_mutable(v) for v in value)
 
 
 def _shown(value: Any) -> Any:
@@ -204,11 +230,14 @@ class _Shown(str):
 def _holds_fields(value: Any) -> bool:
     """An object whose fields a forward may read as constants: a config (a dataclass, or ``to_dict`` as Hugging
     Face's), a ``SimpleNamespace``, or a plain instance of a class of the user's (not torch's, not callable)."""
-    if isinstance(value, (type, nn.Module, torch.Tensor)) or not hasattr(value, "__dict__"):
+    try:  # an attribute bag's ``__getattr__`` or a property may raise anything
+        if isinstance(value, (type, nn.Module, torch.Tensor)) or not isinstance(getattr(value, "__dict__", None), dict):
+            return False
+        if dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None)) \
+                or isinstance(value, types.SimpleNamespace):
+            return True
+    except Exception:  # noqa: BLE001 - not an object whose fields can be read: not pinned by its fields
         return False
-    if dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None)) \
-            or isinstance(value, types.SimpleNamespace):
-        return True
     home = type(value).__module__ or ""
     return not callable(value) and not home.startswith(("torch", "builtins", "logging", "typing", "weakref"))
 
@@ -276,13 +305,15 @@ class _Fields:
 
 
 def _code_names(fn: Any) -> set[str]:
-    """The names ``fn``'s code (its nested code too) reads as globals or attributes."""
+    """The names ``fn``'s code (its nested code too) reads as globals or attributes, and the identifiers among its
+    string constants (``getattr(self, "temperature", 1.0)``)."""
     names: set[str] = set()
     codes = [fn.__code__] if hasattr(fn, "__code__") else []
     while codes:
         c = codes.pop()
         codes.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
         names.update(c.co_names)
+        names.update(x for x in c.co_consts if isinstance(x, str) and x.isidentifier())
     return names
 
 
@@ -296,13 +327,18 @@ def _class_reads(klass: type, names: set[str]) -> list[tuple[str, Any, str, Any]
     """``(key, namespace, name, value)`` for the class attributes named in ``names`` of ``klass`` and of the user's
     classes it derives from (``self.temperature`` where the class sets it, a helper method, ``Block.scale``)."""
     out = []
-    for base in klass.__mro__:
-        if not _users(base):
-            continue
+    bases = [b for b in klass.__mro__ if _users(b)]
+    defined = set().union(*(vars(b).keys() for b in bases)) if bases else set()
+    for base in bases:
         space = vars(base)
         for name in names & space.keys():
             if not (name.startswith("__") and name.endswith("__")) and _readable(space[name]):
                 out.append((f"{base.__qualname__}.{name} (class attribute)", space, name, space[name]))
+        # a name a base defines, or that forward reads by a literal (``getattr(self, "x", 1.0)``), set later on a
+        # class that has none now would shadow what the capture read: pinned as absent
+        for name in (names & defined) - space.keys():
+            if not (name.startswith("__") and name.endswith("__")):
+                out.append((f"{base.__qualname__}.{name} (class attribute)", space, name, None))
     return out
 
 
@@ -405,6 +441,8 @@ class _Attrs:
         owners: list[tuple[str, Any, int]] = []  # (path, object, depth): modules, then objects with fields
         seen: set[int] = set()
         reads: dict[type, list[tuple[str, Any, str, Any]]] = {}  # per class: every layer shares it
+        read_names: set[str] = set()  # attribute names the user's code reads (an object set under one matters)
+        held_tensors: list[torch.Tensor] = []  # tensors pinned here (a config's, a global): their writes are followed
 
         def follow(path: str, obj: Any, depth: int) -> None:
             if id(obj) not in seen and depth <= _DEPTH:
@@ -425,15 +463,19 @@ class _Attrs:
                     frozen = (type(value), "fields")
                 else:
                     frozen = ("tensor", id(value)) if isinstance(value, torch.Tensor) else (type(value), id(value))
+                    if isinstance(value, torch.Tensor):
+                        held_tensors.append(value)
             elif isinstance(value, (tuple, list, dict)):  # objects with fields inside: pinned by identity, followed
                 items = value.items() if isinstance(value, dict) else enumerate(value)
                 for k, item in items:
                     if _holds_fields(item):
                         follow(f"{key}[{k!r}]", item, depth + 1)
+                    elif isinstance(item, torch.Tensor):
+                        held_tensors.append(item)
             # an object (a tensor, a function, a config) added after the capture is not read by name as a constant
             snap[key] = ("value" if _plain(value) is not _MISSING else "object", frozen, _shown(value))
             if _mutable(value) and _plain(value) is not _MISSING:
-                lists.append((holder, name, frozen))
+                lists.append((holder, name, frozen, _flat_copy(value)))
             elif type(holder) is dict:
                 same.append((holder, name, value))
             else:
@@ -457,6 +499,10 @@ class _Attrs:
             if type(obj) not in reads:  # what forward and the other methods of the user's classes read
                 methods = _user_methods(type(obj))
                 names = set().union(*map(_code_names, methods)) if methods else set()
+                read_names |= names
+                for base in type(obj).__mro__:  # a class attribute added later may be one forward reads
+                    if _users(base):
+                        sizes.append((vars(base), len(vars(base))))
                 reads[type(obj)] = [*(r for fn in methods for r in (*_global_reads(fn), *_closure_reads(fn))),
                                     *_class_reads(type(obj), names)]
             for key, holder, name, value in reads[type(obj)]:
@@ -490,15 +536,30 @@ class _Attrs:
                 if module and isinstance(value, nn.Module):
                     continue  # submodules live in ``_modules`` (pinned above)
                 pin(f"{path}.{name}" if path else name, d, name, value, depth)
+        self.read_names = read_names
+        self.held = [t for t in {id(t): t for t in held_tensors}.values() if not t.is_inference()]
+        self.versions = list(map(_VERSION, self.held))
         return snap, same, lists, sizes, views
 
-    def check(self) -> None:
+    def check(self) -> bool:
+        """Raise :class:`ModelChangedError` on a change; True if a tensor pinned here (a config's, a module-level
+        one the graph reads as a constant) was written in place since the last check (keys and values are stale)."""
+        versions = list(map(_VERSION, self.held))
+        written = versions != self.versions
+        self.versions = versions
         if _moved(self.same) or list(map(len, self.sized)) != self.sizes or _moved_in(self.views):
-            return self._compare()
-        for d, key, frozen in self.lists:
-            if _plain(d.get(key, _MISSING)) != frozen:
-                return self._compare()
-        return None
+            self._compare()
+            return written
+        for d, key, frozen, flat in self.lists:
+            now = d.get(key, _MISSING)
+            if flat is not None:  # a flat container: compared and typed in C loops, then as ``_plain`` on a change
+                if type(now) is not type(flat[0]) or now != flat[0] or _kinds(now) != flat[1]:
+                    self._compare()
+                    return written
+            elif _plain(now) != frozen:
+                self._compare()
+                return written
+        return written
 
     def _compare(self) -> None:
         before, (now, same, lists, sizes, views) = self.snapshot, self._take()
@@ -509,8 +570,8 @@ class _Attrs:
             if old is not None and new is not None and old[:2] == new[:2]:
                 continue
             kind = (old or new)[0]  # type: ignore[index]
-            if old is None and kind == "object":
-                continue  # a tensor or object set after the capture: forward did not read it (see ``_take``)
+            if old is None and kind == "object" and path.rsplit(".", 1)[-1] not in self.read_names:
+                continue  # a tensor or object set after the capture under a name the user's code does not read
             if kind == "module":
                 what = ("was added" if old is None else "was removed" if new is None
                         else f"was replaced by another {new[2]}")
@@ -550,7 +611,8 @@ class _Attrs:
         # No difference (an equal value assigned again, a non-plain attribute added): the fast lists follow
         # the objects there now. After a difference they keep the capture's, so every call compares again.
         # Objects set after the capture stay out of the snapshot: their removal is no change either.
-        now = {k: v for k, v in now.items() if k in before or v[0] != "object"}
+        now = {k: v for k, v in now.items() if k in before or v[0] != "object"
+               or k.rsplit(".", 1)[-1] in self.read_names}
         self._keep(now, same, lists, sizes, views)
         return None
 
@@ -631,7 +693,7 @@ class Watch:
         if global_state(self.device_type) != self.state:
             self._state_changed()
         written = self._tensors()
-        self.attrs.check()
+        written |= self.attrs.check()
         return written
 
     def _state_changed(self) -> None:
