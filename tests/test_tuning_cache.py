@@ -33,7 +33,7 @@ def entry(choice: str = "sdpa", fast: float = 1.5) -> TuningEntry:
                        {"flex": "cannot apply a bool mask"}, tuning_s=0.25, decision="faster than the runner-up math",
                        rounds={"sdpa": 12, "math": 8}, spread_ms={"sdpa": (1.4, 1.6), "math": (3.9, 4.2)},
                        ratios={"math": (2.7, 2.5, 2.9)}, pruned={"math": "slower than sdpa"}, confidence=0.99,
-                       load=(1.5, 1.75))
+                       load=(1.5, 1.75), created="2026-12-01T12:00:00+00:00")  # fixed: entries compare equal
 
 
 def test_miss_then_hit_in_this_and_a_fresh_process_view(tmp_path: Path) -> None:
