@@ -25,7 +25,6 @@ EAGER = "eager"
 VARIANTS = (AUTO, "sdpa", EAGER)
 
 
-
 @functools.cache
 def source_key() -> str:
     """A digest of attnopt's own source: what a graph compiled with attnopt's sites was traced by.

@@ -56,6 +56,9 @@ class Report:
         for r in self.records:
             where = " ".join(x for x in (r.module_path, f"({r.source})" if r.source else "") if x)
             what = f"-> {r.rewrite}: {r.reason}" if r.decision == REWRITTEN else r.reason
+            if r.decision == REWRITTEN and r.extra.get("traced_instead"):
+                what += "; in graphs compiled for dynamic shapes (checked at one shape only): " + ", ".join(
+                    f"{a} -> {b}" for a, b in r.extra["traced_instead"].items())
             if r.decision == REWRITTEN and r.extra.get("fallbacks"):
                 what += "; at run time " + fallbacks_text(r.extra["fallbacks"])
             name = f"g{r.graph_id}.{r.name}" if self.graphs > 1 else r.name

@@ -334,8 +334,8 @@ def _class_reads(klass: type, names: set[str]) -> list[tuple[str, Any, str, Any]
         for name in names & space.keys():
             if not (name.startswith("__") and name.endswith("__")) and _readable(space[name]):
                 out.append((f"{base.__qualname__}.{name} (class attribute)", space, name, space[name]))
-        # a name a base defines, or that forward reads by a literal (``getattr(self, "x", 1.0)``), set later on a
-        # class that has none now would shadow what the capture read: pinned as absent
+        # a name a base defines, set later on a class before it in the MRO, would shadow what the capture read:
+        # pinned as absent (a name no class defines, set later: the class namespaces' sizes, see ``_take``)
         for name in (names & defined) - space.keys():
             if not (name.startswith("__") and name.endswith("__")):
                 out.append((f"{base.__qualname__}.{name} (class attribute)", space, name, None))
@@ -406,14 +406,18 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[str, Any, str, Any]]:
 
 
 class _Attrs:
-    """The plain Python state of a model that ``torch.export`` turned into constants of the graph.
+    """The Python state of a model that ``torch.export`` turned into constants of the graph.
 
-    For every submodule: its plain ``__dict__`` entries (numbers, bools, strings, None, dtypes, devices,
-    enums and tuples/lists of those, and ``training``), its children (by identity) and how many forward
-    hooks it has; the same plain entries of config objects a module holds (dataclasses, or objects with
-    ``to_dict`` such as Hugging Face configs). :meth:`check` compares by identity first (one dict lookup per
-    entry; lists by value), and only on a difference compares values, so an equal value assigned again is
-    no change; a real change raises :class:`ModelChangedError` naming the attribute's path.
+    For every submodule: its ``__dict__`` entries (plain values, numpy values, containers of those, tensors,
+    functions, and ``training``), its children (by identity) and its forward hooks; objects with fields it holds
+    (configs, namespaces, plain objects, also inside tuples), followed ``_DEPTH`` levels down; and what the
+    user's code of its class reads (:func:`_global_reads`, :func:`_class_reads`, :func:`_closure_reads`):
+    module-level values and functions, attributes of the user's modules and classes, closure variables, a
+    held ``partial``'s arguments. :meth:`check` compares by identity first (C loops over ``same`` and
+    ``views``; containers by value, flat ones in C), and only on a difference takes the snapshot again and
+    compares it, so an equal value assigned again is no change; a real change raises
+    :class:`ModelChangedError` naming the path. Tensors held here are also watched for in-place writes
+    (the cache then recomputes, as for weights).
     """
 
     def __init__(self, model: nn.Module):
@@ -436,7 +440,7 @@ class _Attrs:
         snap: dict[str, tuple[str, Any, Any]] = {}
         same: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, object): must be that very object
         views: list[tuple[Any, str, Any]] = []  # the same through another holder's ``get`` (class, cell, partial)
-        lists: list[tuple[Any, str, Any]] = []  # (holder, key, frozen): mutable, compared by value
+        lists: list[tuple[Any, str, Any, Any]] = []  # (holder, key, frozen, flat copy): compared by value
         sizes: list[tuple[Any, int]] = []  # (dict, len): an entry added or removed
         owners: list[tuple[str, Any, int]] = []  # (path, object, depth): modules, then objects with fields
         seen: set[int] = set()
@@ -472,7 +476,8 @@ class _Attrs:
                         follow(f"{key}[{k!r}]", item, depth + 1)
                     elif isinstance(item, torch.Tensor):
                         held_tensors.append(item)
-            # an object (a tensor, a function, a config) added after the capture is not read by name as a constant
+            # "object": one (a tensor, a function, a config) set after the capture matters only under a name the
+            # user's code reads (``_compare``)
             snap[key] = ("value" if _plain(value) is not _MISSING else "object", frozen, _shown(value))
             if _mutable(value) and _plain(value) is not _MISSING:
                 lists.append((holder, name, frozen, _flat_copy(value)))

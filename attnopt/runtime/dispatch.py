@@ -165,6 +165,8 @@ class DispatchingSite(nn.Module):
         #: sampled call times (s) of the selector's choices per shape key (None: no longer observed), a call count
         self.observed: dict[Any, list[float] | None] = {}
         self._calls = [0]  # a list: counting through it costs no nn.Module.__setattr__ per call
+        #: in graphs traced for dynamic shapes: candidate -> what runs there instead (see :meth:`_for_every_shape`)
+        self.traced_instead: dict[str, str] = {}
         if candidate != AUTO:
             get_candidate(candidate)  # fail early on a bad name
         if selector is not None:
@@ -178,16 +180,25 @@ class DispatchingSite(nn.Module):
         return state
 
     def _for_every_shape(self, name: str) -> str:
-        """What a graph traced for dynamic shapes runs instead of ``name``, which was checked at one shape only."""
+        """What a graph traced for dynamic shapes runs instead of ``name``, which was checked at one shape only.
+
+        A decision about the traced graph, not about calls (the graph then serves every call): kept in
+        ``traced_instead`` and the record's ``extra["traced_instead"]`` for ``explain()``, and warned once."""
         instead = "sdpa" if get_candidate("sdpa").supports(self.spec) is None else "math"
-        reason = f"{name} in a graph compiled for dynamic shapes (checked at one shape only): {instead}"
-        if reason not in self.fallbacks:
+        if self.traced_instead.get(name) != instead:
             warnings.warn(f"{self.site_name}: candidate {name!r} was checked against the model as written at one "
                           f"shape only, and a graph compiled for dynamic shapes serves every shape with no check "
                           f"inside it; {instead!r} runs there instead (pass dynamic=False to attnopt.optimize to "
                           f"compile, and check, each shape apart)", stacklevel=2)
-        self.count_fallback(reason)
+            self.traced_instead[name] = instead
+            if self.record is not None:
+                self.record.extra["traced_instead"] = self.traced_instead
         return instead
+
+    def _forget_plans(self) -> None:
+        """Drop the plans (both tables): what they cache (a candidate, its check, the selector's choice) changed."""
+        self._plans.clear()
+        self._by_shape.clear()
 
     def count_fallback(self, reason: str) -> None:
         """One more call of this site ran as written (or by a replacement) for ``reason``; ``explain()`` shows it."""
@@ -199,8 +210,7 @@ class DispatchingSite(nn.Module):
     def forget_choices(self) -> None:
         """Ask the selector again on the next call (after it adopted another rank's choices)."""
         self.tuning.clear()
-        self._plans.clear()
-        self._by_shape.clear()
+        self._forget_plans()
         if self.record is not None:
             self.record.extra.pop("tuning", None)
 
@@ -211,16 +221,14 @@ class DispatchingSite(nn.Module):
         get_candidate(candidate)
         own = self.candidate
         self.candidate = candidate
-        self._plans.clear()  # plans made for the site's own candidate
-        self._by_shape.clear()
+        self._forget_plans()  # plans made for the site's own candidate, then for ``candidate``
         self._recent.clear()
         self._ran.clear()
         try:
             yield
         finally:
             self.candidate = own
-            self._plans.clear()
-            self._by_shape.clear()  # plans made for ``candidate``
+            self._forget_plans()
             self._recent.clear()
             self._ran.clear()
 
@@ -286,8 +294,7 @@ class DispatchingSite(nn.Module):
                           f"{type(e).__name__}: {e}; running the reference computation instead", stacklevel=3)
             log.warning("site %s: candidate %s raised %r; falling back to math", self.site_name, name, e)
             self._failed.add(name)
-            self._plans.clear()
-            self._by_shape.clear()
+            self._forget_plans()
             self.count_fallback(f"{name} raised at this site: math")
             return get_candidate("math")(q, k, v, **kwargs)
 
@@ -338,8 +345,7 @@ class DispatchingSite(nn.Module):
                      observed)
         if keep:
             if len(self._plans) > _TABLE_LIMIT:
-                self._plans.clear()
-                self._by_shape.clear()
+                self._forget_plans()
             self._plans[call] = plan
         return plan
 
