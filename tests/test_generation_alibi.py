@@ -4,6 +4,7 @@
 position (and token) alone, is causal attention whose every key carries its own term. The cache writes the term
 at the key's position, as it writes the key, and adds the cached terms to the scores at every call. Covered:
 
+* the term subtracted (``s - b``, ``(q @ k^T - b) / sqrt(d)``);
 * the term added before the mask, folded into it (``masked_fill(bias, ~tril, -inf)``, Falcon's), scaled after
   the sum (``(s + b) * f``), per head folded into the batch (``baddbmm(bias, q, k^T)``, BLOOM's);
 * a term read from a key's own token (a learnt gate per key), in a sliding window, in ragged batches;
@@ -68,6 +69,10 @@ class Alibi(nn.Module):
         s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
         if self.how == "add":
             att = (s + alibi).masked_fill(~keep, float("-inf"))
+        elif self.how == "sub":  # the term subtracted (a negative slope spelled as a minus)
+            att = (s - (-alibi)).masked_fill(~keep, float("-inf"))
+        elif self.how == "sub_scaled":  # subtracted, then the sum scaled
+            att = ((q @ k.transpose(-2, -1) - alibi) / math.sqrt(D)).masked_fill(~keep, float("-inf"))
         elif self.how == "mask_first":
             att = s.masked_fill(~keep, float("-inf")) + alibi
         elif self.how == "folded":  # the term with the causal mask filled into it, then added
@@ -133,7 +138,8 @@ class Bloomish(Alibi):
         return self.head(x + self.proj(y))
 
 
-@pytest.mark.parametrize("how", ["add", "mask_first", "folded", "scaled", "table", "gate", "end_table", "end_max"])
+@pytest.mark.parametrize("how", ["add", "sub", "sub_scaled", "mask_first", "folded", "scaled", "table", "gate",
+                                 "end_table", "end_max"])
 def test_a_term_per_key_is_cached_exactly(how):
     lm = assert_cached_exactly(Alibi(how).eval())
     assert all(s.keeps_key_bias for s in lm.sites)

@@ -45,8 +45,8 @@ import attnopt
 EXERCISED: dict[str, set[tuple]] = defaultdict(set)
 
 CAUSAL_MASKS = ("tril_float_eq0", "bool_where", "bool_fill_not", "uint8_bool", "runtime_ones_tril",
-                "runtime_full_triu", "fill_inplace")
-PADDING_MASKS = ("arg_add_row", "arg_add_full", "arg_fill_min", "arg_fill_1e4", "arg_where_100")
+                "runtime_full_triu", "runtime_sub_triu", "fill_inplace")
+PADDING_MASKS = ("arg_add_row", "arg_add_full", "arg_sub_full", "arg_fill_min", "arg_fill_1e4", "arg_where_100")
 BOUNDED_FILLS = ("arg_fill_1e4", "arg_where_100")  # finite fills: exact under a bound that no score modifier keeps
 # Causal sliding windows of width ``w`` (query i keeps keys i - w < j <= i, shifted by Tk - Tq bottom-right).
 # ``win_buffer*`` read the band from a registered buffer's values; the others build it from sizes and indices.
@@ -59,7 +59,8 @@ WINDOW_MASKS = (*BUFFER_WINDOWS, "win_tril_triu", "win_tril_and_not", "win_arang
 OTHER_BANDS = ("band_two_sided", "band_future")
 # Index arithmetic over ``arange(Tq)``: with Tq == 1 the row index is a size-1 dim the band reader cannot see.
 ARANGE_BANDS = ("win_arange", "win_arange_dist", "win_arange_le_gt", "win_add_min", *OTHER_BANDS)
-ADDED_MASKS = ("arg_add_row", "arg_add_full", "runtime_full_triu", "win_add_min", "win_add_where")  # scores + mask
+ADDED_MASKS = ("arg_add_row", "arg_add_full", "arg_sub_full", "runtime_full_triu", "runtime_sub_triu", "win_add_min",
+               "win_add_where")  # scores + mask (or - mask: ``s - inf * triu``, ``s - max * pad``)
 SCORE_MODS = {  # spelling -> what explain() describes (the scale may join a modifier's factor: substring only)
     "tanh_cap": "tanh(s)", "sigmoid": "sigmoid(s)", "sigmoid_scaled": "sigmoid(s)", "clamp": "clamp(s, -2, 2)",
     "clip_min": "clamp(s, -1, None)", "clamp_inplace": "clamp(s, None, 1.5)", "shift_add": "+ 1.5",
@@ -174,6 +175,8 @@ def spellings(draw: st.DrawFn, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> Sp
     window = draw(st.integers(1, T + 1)) if mask in WINDOW_MASKS or mask in OTHER_BANDS else 0
     scale = draw(st.sampled_from(["mul", "div", "pow", "full0d", "on_q", "none", "mul_", "idiv", "after_mask"]))
     mods = sorted(SCORE_MODS) if mask not in BOUNDED_FILLS else []
+    if mask == "fill_inplace":  # sigmoid's backward reads its output: filling it in place breaks the model's own
+        mods = [m for m in mods if m != "sigmoid"]  # gradient (eager raises), so that model has none to compare
     score_mod = draw(st.sampled_from(mods)) if mods and draw(st.booleans()) else "none"
     custom_scale = draw(st.booleans()) if scale in ("mul", "div", "full0d", "on_q", "after_mask") else False
     softmax = draw(st.sampled_from(["F", "F_dim_pos", "torch", "method", "module", "dtype_f32", "float_type_as"]))
@@ -355,8 +358,12 @@ class GrammarAttention(nn.Module):
             return att.masked_fill(~keep, float("-inf"))
         if s.mask == "runtime_full_triu":
             return att + torch.full((tq, tk), float("-inf"), dtype=att.dtype, device=att.device).triu(r0 + 1)
+        if s.mask == "runtime_sub_triu":  # +inf above the diagonal, subtracted
+            return att - torch.full((tq, tk), float("inf"), dtype=att.dtype, device=att.device).triu(r0 + 1)
         if s.mask in ("arg_add_row", "arg_add_full"):
             return att + mask
+        if s.mask == "arg_sub_full":
+            return torch.sub(att, mask)
         if s.mask == "arg_fill_min":
             return att.masked_fill(mask, torch.finfo(att.dtype).min)
         if s.mask == "arg_fill_1e4":
@@ -487,8 +494,9 @@ def make_case(s: Spelling, lookalike: str = "none") -> tuple[GrammarAttention, t
     rows = 1 if s.mask in ("arg_add_row", "arg_fill_min", "arg_where_100") else s.Tq
     masked = torch.rand(*lead, rows, s.Tk) < 0.4
     masked[..., 0] = False  # key 0 is always visible: no fully masked rows here (see test_negative)
-    if s.mask in ("arg_add_row", "arg_add_full"):
-        mask = torch.zeros(masked.shape, dtype=dtype).masked_fill(masked, torch.finfo(dtype).min)
+    if s.mask in ("arg_add_row", "arg_add_full", "arg_sub_full"):
+        fill = torch.finfo(dtype).max if s.mask == "arg_sub_full" else torch.finfo(dtype).min
+        mask = torch.zeros(masked.shape, dtype=dtype).masked_fill(masked, fill)
         mask.requires_grad_(True)  # gradients must reach an additive mask; the capture sees that it wants them
     else:
         mask = masked
@@ -775,7 +783,10 @@ BASE = Spelling(layout="4d", product="at", einsum_eq="", kt="t_neg", pv="at", pv
     dict(mask="runtime_ones_tril"),  # ones(dtype=bool).tril() is a bool band, `~` of it too
     dict(mask="arg_add_full", dtype="bf16"),  # gradients reach an additive input mask
     dict(mask="runtime_full_triu", attn="decode", Tq=1, Tk=5, causal_align="bottom_right"),
-], ids=["type_as", "bf16_min_then_float", "bool_ones_tril", "grad_to_input_mask", "decode_triu"])
+    dict(mask="runtime_sub_triu", attn="decode", Tq=3, Tk=5, causal_align="bottom_right"),
+    dict(mask="arg_sub_full", dtype="bf16"),
+], ids=["type_as", "bf16_min_then_float", "bool_ones_tril", "grad_to_input_mask", "decode_triu", "decode_sub_triu",
+        "grad_to_subtracted_mask"])
 def test_named_regressions(changes: dict) -> None:
     from dataclasses import replace
 

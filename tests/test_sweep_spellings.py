@@ -414,7 +414,7 @@ def test_shifts_that_are_not_the_row_maximum_are_left_alone(how: str) -> None:
     inputs = _shift_inputs(B, T, torch.float32)
     out, ref = opt(*inputs), model(*inputs)
     torch.testing.assert_close(out, ref)
-    _left_alone(opt, "the scores pass through sub")
+    _left_alone(opt, "the attention scores are also read by `max`")  # (the subtraction itself is read as a mask)
 
 
 # ----------------------------------------------------------------------------- look-alikes the breaker found

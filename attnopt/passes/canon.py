@@ -35,7 +35,9 @@ identity   ``(x,)``: ``contiguous``/``clone``: same values
 dropout    ``(x, p, mode)`` with mode ``"on"``, ``"off"`` or ``"module"`` (nn.Dropout's flag)
 eq / ne    ``(a, b)``; also ``le``, ``lt``, ``ge``, ``gt`` (comparisons, as in masks built from indices)
 and / or   ``(a, b)``: ``&``, ``|``, ``logical_and``, ``bitwise_or``, ...
-sub        ``(a, b)``: ``a - b`` (index arithmetic in masks)
+sub        ``(a, b)``: ``a - b`` (index arithmetic in masks; between the product and the softmax, a
+           subtracted tensor is rewritten in place to ``a + neg(b)``, see ``find_sites``)
+neg        ``(x,)``: ``-x``
 not        ``(x,)``
 tril/triu  ``(x, diagonal)``
 getitem    ``(x, index)``
@@ -212,6 +214,12 @@ def _baddbmm(node: fx.Node, _: Any) -> Op:
     if a is None or b is None:
         raise ValueError("baddbmm without both batch operands")
     return Op("baddbmm", (inp, a, b, beta, alpha), _spell(node))
+
+
+def _neg(node: fx.Node, _: Any) -> Op | None:
+    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    return Op("neg", (node.args[0],), _spell(node))
 
 
 def _unary(name: str) -> Reader:
@@ -591,6 +599,7 @@ _FUNCTIONS: dict[Any, Reader] = {
     torch.empty: _factory(None, None), aten.empty.memory_format: _factory(None, None),
     torch.broadcast_to: _view,
     torch.baddbmm: _baddbmm, aten.baddbmm.default: _baddbmm,
+    operator.neg: _neg, torch.neg: _neg, torch.negative: _neg, aten.neg.default: _neg,
     torch.tanh: _unary("tanh"), F.tanh: _unary("tanh"), aten.tanh.default: _unary("tanh"),
     torch.sigmoid: _unary("sigmoid"), F.sigmoid: _unary("sigmoid"), aten.sigmoid.default: _unary("sigmoid"),
     torch.clamp: _clamp, torch.clip: _clamp, aten.clamp.default: _clamp,
@@ -616,6 +625,7 @@ _METHODS: dict[str, Reader] = {
     "logical_and": _binary("and"), "bitwise_and": _binary("and"), "__and__": _binary("and"),
     "logical_or": _binary("or"), "bitwise_or": _binary("or"), "__or__": _binary("or"),
     "sub": _scale_or_binary("sub"), "__sub__": _scale_or_binary("sub"),
+    "neg": _neg, "negative": _neg, "__neg__": _neg,
     "logical_not": _not, "bitwise_not": _not, "__invert__": _not,
     "tril": _tri("tril"), "triu": _tri("triu"),
     "view": _view, "reshape": _view, "unsqueeze": _view, "expand": _view,
@@ -679,7 +689,7 @@ def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
 #: Kinds whose result is always a new tensor (never a view of an input), so mutating it in place
 #: changes nothing else.
 _FRESH_KINDS = frozenset(("matmul", "baddbmm", "scale", "add", "sub", "mul", "div", "masked_fill", "where",
-                          "unary"))
+                          "unary", "neg"))
 
 
 #: Methods ``x.<name>(node)`` whose result depends on ``node``'s shape only (``node`` not the first argument).

@@ -1859,6 +1859,22 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
             chain.append(("mod", ("add", value)))
         record.spelling.append(f"- {-value:g}")
         return op.args[0]
+    if k == "sub" and isinstance(op.args[0], fx.Node) and isinstance(op.args[1], fx.Node):
+        a, b = op.args
+        if not _leads_to_product(a):
+            if _leads_to_product(b):
+                raise NearMiss("the scores are subtracted from another tensor (`b - s` turns them over)")
+            raise NearMiss("a subtraction between product and softmax has no score operand")
+        if not _same_shape(a, node):
+            raise NearMiss(f"the subtracted tensor `{b.name}` broadcasts the scores to shape "
+                           f"{list(shape_of(node) or ())}")
+        dt = dtype_of(b)
+        if dt is None or not dt.is_floating_point:
+            # -b of an integer tensor wraps (-(-2**31) is -2**31, uint8 wraps at 256): left as written
+            raise NearMiss(f"a {dt} tensor is subtracted from the scores (only floating masks are rewritten)")
+        chain.append(("mask", Add(_as_added_negation(node, a, b), dtype=dtype_of(node))))
+        record.spelling.append("- mask")
+        return a
     if k == "add":
         a, b = op.args
         for s, c in ((a, b), (b, a)):
@@ -1881,6 +1897,45 @@ def _step_back(op: Op, node: fx.Node, chain: list[tuple[str, Any]], record: Site
                 return s
         raise NearMiss("an addition between product and softmax has no score operand")
     return None
+
+
+def _as_added_negation(node: fx.Node, a: fx.Node, b: fx.Node) -> fx.Node:
+    """Rewrites ``node`` (``a - b``, ``b`` a floating tensor) in place to ``a + neg(b)`` and returns the new
+    ``neg(b)`` node, which the site then reads as an added mask (ALiBi's ``s - slopes * distance``,
+    ``s - inf * triu(ones)``).
+
+    The two are the same function bit for bit: IEEE 754 defines ``a - b`` as ``a + (-b)``, negation is exact
+    (infinities, NaN and signed zeros included), type promotion sees the same dtypes (``neg`` keeps ``b``'s),
+    and the gradients are the same (``-grad`` for ``b``). The graph computes the same values whether the site
+    is then rewritten or refused, so nothing is undone on a refusal. Integer ``b`` is never rewritten: its
+    negation wraps.
+    """
+    graph = node.graph
+    aten = torch.ops.aten
+    on_aten = node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload,
+                                                                       torch._ops.OpOverloadPacket))
+    meta: dict[str, Any] = {}
+    try:  # the example values first: nothing is changed unless every one of them can be made
+        for key in ("val", "example_value"):
+            if isinstance(b.meta.get(key), torch.Tensor):
+                meta[key] = torch.neg(b.meta[key])
+    except Exception as e:  # noqa: BLE001 (a fake tensor of an unusual mode)
+        raise NearMiss(f"a tensor is subtracted from the scores and its negation could not be traced ({e})") from e
+    if not meta and "tensor_meta" in b.meta:
+        meta["tensor_meta"] = b.meta["tensor_meta"]
+    with graph.inserting_before(node):
+        neg = graph.call_function(aten.neg.default if on_aten else torch.neg, (b,))
+    neg.meta.update(meta)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in node.meta:
+            neg.meta[key] = node.meta[key]
+    if node.op == "call_method":
+        node.target, node.args, node.kwargs = "add", (a, neg), {}
+    elif on_aten:
+        node.target, node.args, node.kwargs = aten.add.Tensor, (a, neg), {}
+    else:
+        node.target, node.args, node.kwargs = operator.add, (a, neg), {}
+    return neg
 
 
 def _keep_blend(op: Op, node: fx.Node) -> tuple[fx.Node, fx.Node, float, tuple[fx.Node, ...]] | None:
@@ -2026,9 +2081,8 @@ def _leads_to_product(node: fx.Node, depth: int = 12) -> bool:
             return False
         if op.kind in ("matmul", "baddbmm"):
             return True
-        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary", "view", "floor") or (
-                op.kind == "sub" and not isinstance(op.args[1], fx.Node)):
-            cur = op.args[0]
+        if op.kind in ("scale", "cast", "identity", "masked_fill", "unary", "view", "floor", "sub"):
+            cur = op.args[0]  # (``s - b``: the scores are the first operand)
         elif op.kind == "where":
             cur = op.args[1] if isinstance(op.args[1], fx.Node) and _same_shape(op.args[1], cur) \
                 else op.args[2]

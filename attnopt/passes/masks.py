@@ -274,6 +274,11 @@ class BandReader:
                             lambda c, y: (bool(c), y))
             return _convert(_merge(merged, self._operand(no, rows, cols), lambda cy, n: cy[1] if cy[0] else n),
                             dtype_of(node))
+        if k == "neg":
+            dt = dtype_of(node)
+            if dt is None or not dt.is_floating_point:
+                raise _Unknown  # integer negation wraps
+            return self.band(op.args[0]).map(lambda v: -v)
         if k in ("cast", "identity", "view"):
             b = self.band(op.args[0])
             if not (same(b.rows, rows) and same(b.cols, cols)):
