@@ -93,7 +93,7 @@ def _family(name: str):
     picks its key and value heads by a fixed index, GPT-Neo fills with ``torch.tensor(finfo.min)`` and has a
     local layer, XGLM folds heads into the batch, floors its scores and checks ``2 + T <= n``, Gemma 2 soft-caps
     its scores, Mixtral and DeepSeek V3 route tokens to experts and dispatch them sorted by expert
-    (``tests/test_generation_moe.py``)."""
+    (``tests/test_generation_moe.py``), GraniteMoe takes ``use_cache`` only through ``**kwargs``."""
     t = transformers
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, attn_implementation="eager")
@@ -123,6 +123,10 @@ def _family(name: str):
             num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4, n_group=2,
             topk_group=1, num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=32, **common))
+    if name == "granitemoe":  # forward takes use_cache only through **kwargs (read from the config)
+        return t.GraniteMoeForCausalLM(t.GraniteMoeConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32, **common))
     return t.XGLMForCausalLM(t.XGLMConfig(num_layers=2, d_model=32, attention_heads=4, ffn_dim=64,
                                           max_position_embeddings=32, **common))
 
@@ -146,10 +150,13 @@ def test_a_fused_attn_implementation_is_refused_saying_what_to_do():
         cached(transformers.LlamaForCausalLM(cfg).eval())
 
 
-@pytest.mark.parametrize("name", ["opt", "gptj", "falcon", "gpt_neo", "xglm", "gemma2", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["opt", "gptj", "falcon", "gpt_neo", "xglm", "gemma2", "mixtral", "deepseek_v3",
+                                  "granitemoe"])
 def test_more_families_equal_the_plain_loop_batched_and_ragged(name):
     model = _family(name).eval()
+    flags = [getattr(model.config, "use_cache", None)]
     c = cached(model)
+    assert [getattr(model.config, "use_cache", None)] == flags  # a flag set for the capture is put back
     assert c.max_len == 32
     idx = torch.randint(1, VOCAB, (2, 5))
     assert torch.equal(generate(c, idx, 10), generate_plain(model, idx, 10))

@@ -1,7 +1,8 @@
 """A mixture of experts in a cached causal LM: the router on folded rows and the dispatch sorted by expert.
 
 Hugging Face's MoE families (Mixtral, Qwen-MoE, OLMoE, DeepSeek V3, ...) route each token on ``(B*T, C)`` rows
-(softmax or sigmoid, topk, DeepSeek's group mask written with ``scatter_``) and dispatch with ``grouped_mm``:
+(softmax or sigmoid, topk, DeepSeek's group mask written with ``scatter_``, PhiMoE's two ``max`` picks joined
+by ``concat``) and dispatch with ``grouped_mm``:
 sort the (token, slot) pairs by expert, one product per expert on contiguous rows, then the inverse
 permutation (or, ``batched_mm``, one product per row with the weights of its own expert). Written here small,
 each variant is cached and gives the plain loop's tokens, ragged prompts too; what would make a row depend on
@@ -47,6 +48,14 @@ class Experts(Base):
             keep = mask.unsqueeze(-1).expand(-1, 2, E // 2).reshape(-1, E)
             idx = scores.masked_fill(~keep.bool(), float("-inf")).topk(K, dim=-1)[1]
             return scores.gather(1, idx), idx
+        if self.router_kind.startswith("two-picks"):  # PhiMoE's sparsemixer: the best expert, then the best other
+            w1, i1 = logits.max(dim=-1, keepdim=True)
+            rest = logits.scatter(-1, i1, float("-inf"))
+            w2, i2 = rest.max(dim=-1, keepdim=True)
+            if self.router_kind == "two-picks-shifted":  # no longer indices below E: histc cannot be matched
+                i2 = i2 + 1
+            w = torch.concat((logits.softmax(-1).gather(-1, i1), rest.softmax(-1).gather(-1, i2 % E)), dim=-1)
+            return w, torch.concat((i1, i2), dim=-1)
         dim = 0 if self.router_kind == "along-rows" else -1
         w, idx = logits.softmax(dim).topk(K, dim=-1)
         w /= w.sum(-1, keepdim=True)
@@ -64,6 +73,10 @@ class Experts(Base):
     def moe(self, x):
         B, T, _ = x.shape
         h = x.reshape(-1, C)
+        if self.how == "cat-columns":  # each row joined back from its own halves
+            h = torch.cat((h[:, :C // 2], h[:, C // 2:]), dim=-1)
+        elif self.how == "cat-rows":  # rows joined along the folded axis (refused, even where it mixes nothing)
+            h = torch.cat((h, h), dim=0).view(2, B * T, C).mean(0)
         w, idx = self.route(h)
         how = self.how
         if how in ("batched", "tiled"):
@@ -87,7 +100,8 @@ class Experts(Base):
         y = y * w.reshape(-1)[perm].unsqueeze(-1) * self.scale[ids]
         if how == "cumsum-rows":
             y = y.cumsum(0)
-        if how in ("index_put", "descending", "few-bins", "other-sort", "keys-written", "cumsum-rows"):
+        if how in ("index_put", "descending", "few-bins", "other-sort", "keys-written", "cumsum-rows", "cat-columns",
+                   "cat-rows"):
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(perm.size(0))
             y = y[inv]
@@ -113,9 +127,10 @@ class Experts(Base):
 
 
 @pytest.mark.parametrize("how, router", [("index_put", "softmax"), ("argsort", "softmax"), ("scatter", "softmax"),
-                                         ("index_put", "groups"), ("batched", "softmax")],
+                                         ("index_put", "groups"), ("batched", "softmax"), ("index_put", "two-picks"),
+                                         ("cat-columns", "softmax")],
                          ids=["inverse-by-index_put", "inverse-by-argsort", "rows-put-back", "deepseek-groups",
-                              "batched-per-row"])
+                              "batched-per-row", "phimoe-two-picks", "rows-joined-from-their-columns"])
 def test_a_mixture_of_experts_is_cached_exactly(how, router):
     assert_cached_exactly(Experts(how, router).eval())
 
@@ -133,10 +148,12 @@ def test_a_mixture_of_experts_is_cached_exactly(how, router):
     ("keys-out", "softmax", "aten.", "mixture of experts' dispatch"),
     ("argsort-descending", "softmax", "aten.argsort", "mixture of experts' dispatch"),
     ("squeeze", "softmax", "aten.squeeze", "squeezes an axis whose size is not fixed"),
+    ("index_put", "two-picks-shifted", "aten.", "mixture of experts' dispatch"),
+    ("cat-rows", "softmax", "aten.cat", "joins tensors along the axis in which batch and sequence axes are folded"),
 ], ids=["softmax-over-rows", "sorted-descending", "fewer-bins-than-experts", "offsets-of-another-sort",
         "keys-written-in-place", "cumsum-over-sorted-rows", "never-put-back", "rows-tiled-not-interleaved",
         "keys-written-through-an-alias", "keys-written-by-out", "inverse-sorted-descending",
-        "squeeze-of-sorted-rows"])
+        "squeeze-of-sorted-rows", "indices-not-below-the-experts", "rows-joined-along-the-fold"])
 def test_what_would_mix_rows_in_a_dispatch_is_refused(how, router, op, why):
     with pytest.raises(PositionError) as info:
         cached(Experts(how, router).eval())

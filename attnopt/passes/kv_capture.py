@@ -89,6 +89,30 @@ def _attributes_kept(model: nn.Module) -> Iterator[None]:
 _GONE = object()
 
 
+@contextlib.contextmanager
+def _no_cache_object(model: torch.nn.Module, signature: inspect.Signature, kwargs: dict[str, Any]) -> Iterator[None]:
+    """``config.use_cache = False`` while exporting a Hugging Face model whose forward takes ``use_cache`` only
+    through ``**kwargs`` (GraniteMoe's causal LM) and reads it from its config: a cache object in the output is
+    not part of the logits, and ``torch.export`` cannot pass a keyword through ``**kwargs`` with dynamic shapes.
+    The flags are put back afterwards (the cached graph never reads them)."""
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    config = getattr(model, "config", None)
+    configs = [config, config.get_text_config() if hasattr(config, "get_text_config") else None]
+    configs = [c for i, c in enumerate(configs) if c is not None and hasattr(c, "use_cache")
+               and all(c is not d for d in configs[:i])]
+    if "use_cache" in kwargs or not takes_kwargs or not configs:
+        yield
+        return
+    before = [c.use_cache for c in configs]
+    try:
+        for c in configs:
+            c.use_cache = False
+        yield
+    finally:
+        for c, v in zip(configs, before):
+            c.use_cache = v
+
+
 def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.Node, Any]:
     """``forward(idx)`` as an ATen graph with symbolic batch and length, returning only the logits.
 
@@ -100,15 +124,19 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
     device = param.device if param is not None else torch.device("cpu")
     example = torch.zeros(2, example_len, dtype=torch.long, device=device)
     dim = torch.export.Dim.AUTO
-    params = list(inspect.signature(model.forward).parameters)
-    # Hugging Face models build their own cache object unless told not to; it is not part of the logits.
+    signature = inspect.signature(model.forward)
+    params = list(signature.parameters)
+    # Hugging Face models build their own cache object unless told not to; it is not part of the logits. Some
+    # take ``use_cache`` only through ``**kwargs`` (GraniteMoe's causal LM) and read it from their config.
     kwargs: dict[str, Any] = {"use_cache": False} if "use_cache" in params else {}
     dynamic = {params[0]: {0: dim, 1: dim}, **{k: None for k in kwargs}} if params else None
     if needs_mask(model):
         kwargs["attention_mask"] = forward_kwargs(model, example)["attention_mask"]
         dynamic = {**(dynamic or {}), "attention_mask": {0: dim, 1: dim}}
     try:
-        with _attributes_kept(model):
+        # under no_grad, as the cached model runs: a ``with torch.no_grad()`` block in forward (PhiMoE's router)
+        # is then no grad-mode switch, which export would keep as a higher-order op around its body
+        with _attributes_kept(model), _no_cache_object(model, signature, kwargs), torch.no_grad():
             ep = torch.export.export(model, (example,), kwargs, dynamic_shapes=dynamic)
     except Exception as e:
         raise RuntimeError(f"torch.export could not capture {type(model).__name__}.forward(idx) with a dynamic "

@@ -783,6 +783,21 @@ def _folded(a: _Analysis, node: fx.Node, kw: dict[str, Any]) -> str:
             raise refuse
         a.folds[node] = a.folds[rows]
         return TOKEN
+    if packet in (aten.cat, aten.concat):
+        # rows joined along another axis (PhiMoE's router: ``concat((weights, weights_top2), -1)``): every
+        # operand folded alike, so row r of the result is row r of each operand
+        parts = kw.get("tensors")
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise refuse
+        folds = {a.folds.get(t) for t in parts}
+        if None in folds or len(folds) != 1 or any(len(shape_of(t) or ()) != nd for t in parts):
+            raise refuse
+        fold = folds.pop()
+        if _dim(kw.get("dim", 0), nd) == fold[0]:
+            raise _Refuse("joins tensors along the axis in which batch and sequence axes are folded into one (a "
+                          "reshape such as (B, T, C) -> (B*T, C)), so it mixes positions")
+        a.folds[node] = fold
+        return a.strongest(list(parts))
     x = kw.get("self", kw.get("input"))
     if x not in a.folds:
         raise refuse
@@ -924,8 +939,9 @@ def _unwritten(x: Any) -> bool:
 
 
 def _int_bound(x: Any) -> int | None:
-    """``x`` holds integers in ``[0, n)``: the indices of ``topk``/``sort``/``argmax`` along an axis of ``n``,
-    through reshapes, copies and exact casts, none of them written in place. None when attnopt cannot tell."""
+    """``x`` holds integers in ``[0, n)``: the indices of ``topk``/``sort``/``argmax``/``max(dim)`` along an axis of
+    ``n``, through reshapes, copies, exact casts and concatenations, none of them written in place. None when
+    attnopt cannot tell."""
     if not _unwritten(x):
         return None
     while isinstance(x, fx.Node) and x.op == "call_function":
@@ -933,9 +949,15 @@ def _int_bound(x: Any) -> int | None:
                         aten.contiguous.default, aten.alias.default, aten.flatten.using_ints):
             x = x.args[0]
             continue
+        if x.target in (aten.cat.default, aten.concat.default) and isinstance(x.args[0], (list, tuple)) \
+                and x.args[0]:
+            # indices joined (PhiMoE's two picks, ``concat((argmax, argmax_top2), -1)``): the widest bound
+            bounds = [_int_bound(t) for t in x.args[0]]
+            return None if any(b is None for b in bounds) else max(bounds)  # type: ignore[type-var]
         if x.target is operator.getitem and isinstance(x.args[0], fx.Node) and x.args[1] == 1 \
                 and x.args[0].op == "call_function" and x.args[0].target in (aten.topk.default, aten.sort.default,
-                                                                             aten.sort.stable):
+                                                                             aten.sort.stable, aten.max.dim,
+                                                                             aten.min.dim):
             src = x.args[0]
             kw = normalize_function(src.target, src.args, src.kwargs, normalize_to_only_use_kwargs=True)
             if kw is None:
