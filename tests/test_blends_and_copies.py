@@ -223,6 +223,38 @@ def test_probabilities_zeroed_where_the_scores_were_masked(body) -> None:
     assert record.decision == "rewritten" and "every key hidden are zero" in record.spec.describe(), record.reason
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["bias-added", "bias-subtracted"])
+def test_rows_zeroed_whole_next_to_a_bias_keep_every_gradient(sign: float) -> None:
+    """``softmax(s.masked_fill(m, -inf) + b).masked_fill(m, 0) @ v`` with a row of ``m`` all True: that row's
+    probabilities are NaN before the zeroing and 0 after, so as written v's gradient is finite and the bias's is
+    NaN in that row only. The rows the site computes as written zero their probabilities too."""
+    def body(self, q, k, v, b, m):
+        s = (q @ k.transpose(-2, -1) * 0.3).masked_fill(m, float("-inf")) + sign * b
+        return s.softmax(-1).masked_fill(m, 0.0) @ v
+
+    model = Fn(body)
+    opt = attnopt.optimize(model, variant="sdpa")
+    for b, t in ((2, T), (1, 5)):
+        q, k, v = _qkv(b, t)
+        m = torch.rand(b, 1, t, t) < 0.3
+        m[0, 0, 1] = True  # query 1 sees no key
+        inputs = [q, k, v, torch.randn(t, t), m]
+        a = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        e = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        out, ref = opt(*a), model(*e)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        cot = torch.randn_like(ref)
+        got = torch.autograd.grad((out * cot).sum(), a[:4])
+        want = torch.autograd.grad((ref * cot).sum(), e[:4])
+        assert not any(g.isnan().any() for g in want[:3])  # q, k, v: finite as written
+        assert want[3][1].isnan().all() and not want[3][0].isnan().any()  # the bias: NaN in the hidden row only
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-3, equal_nan=True)
+    records = attnopt.explain(opt).records  # (a graph per shape)
+    assert records and all(r.decision == "rewritten" and "every key hidden are zero" in r.spec.describe()
+                           for r in records), str(attnopt.explain(opt))
+
+
 def test_probabilities_zeroed_elsewhere_are_left_alone() -> None:
     def other_mask(self, q, k, v, pad, drop):
         s = (q @ k.transpose(-2, -1)).masked_fill(pad, float("-inf"))

@@ -148,3 +148,25 @@ def test_look_alikes_are_left_alone_with_a_reason(fn, why: str) -> None:
     report = _check(model, lambda t: _qkv(t, torch.float32), torch.float32, lengths=(T,))
     (record,) = report.records
     assert record.decision == "left alone" and why in record.reason, record.reason
+
+
+@pytest.mark.parametrize("op", [torch.sub, torch.add])
+def test_a_score_op_writing_an_out_tensor_is_left_alone_and_still_writes_it(op) -> None:
+    """``torch.sub(s, b, out=buf)`` also writes ``buf``, which the caller reads: a rewrite dropping the op would
+    leave it unwritten. Next to a rewritten site (the graph runs as rewritten)."""
+    def fn(self, q, k, v, b, buf):
+        plain = (q @ k.mT * 0.3).softmax(-1) @ v
+        written = op(q @ k.mT, b, out=buf).softmax(-1) @ v
+        return plain + written
+
+    model = Fn(fn)
+    torch._dynamo.reset()
+    opt = attnopt.optimize(model)
+    q, k, v = _qkv(T, torch.float32)
+    b = torch.randn(T, T)
+    mine, theirs = torch.zeros(B, H, T, T), torch.zeros(B, H, T, T)
+    torch.testing.assert_close(opt(q, k, v, b, mine), model(q, k, v, b, theirs), **TOL[torch.float32])
+    torch.testing.assert_close(mine, theirs)
+    decisions = sorted((r.decision, r.reason) for r in attnopt.explain(opt).records)
+    assert [d for d, _ in decisions] == ["left alone", "rewritten"], decisions
+    assert "also writes its `out=` tensor" in decisions[0][1], decisions

@@ -20,13 +20,16 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         is_causal: bool = False, scale: float | None = None,
                         enable_gqa: bool = False, score_mod: ScoreMod | None = None,
-                        window: int | None = None, score_floor: str | None = None) -> torch.Tensor:
+                        window: int | None = None, score_floor: str | None = None,
+                        zero_probs: torch.Tensor | None = None) -> torch.Tensor:
     """The plain computation SDPA documents, written out: the ``math`` candidate.
 
     ``score_mod`` (FlexAttention's signature) is applied to the scaled scores before the mask;
     ``window`` (with ``is_causal``) also hides keys ``window`` or more positions behind the query;
     ``score_floor`` (``"maximum"`` or ``"clamp"``, ``AttentionSpec.score_floor``) floors the masked scores at
-    their dtype's minimum as XGLM spells it (``torch.maximum`` halves the gradient of a tie, ``clamp_min`` not).
+    their dtype's minimum as XGLM spells it (``torch.maximum`` halves the gradient of a tie, ``clamp_min`` not);
+    ``zero_probs`` (a bool tensor broadcast against the scores) zeroes the probabilities where it holds, after
+    the softmax, as ``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0)`` is written.
     """
     tq, tk = q.size(-2), k.size(-2)
     scale = q.size(-1) ** -0.5 if scale is None else scale
@@ -55,6 +58,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     elif score_floor is not None:
         scores = scores.clamp_min(torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1)
+    if zero_probs is not None:
+        probs = probs.masked_fill(zero_probs, 0.0)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p, training=True)
     return probs @ v

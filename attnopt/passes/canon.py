@@ -663,6 +663,8 @@ def read(node: Any, root: torch.nn.Module | None = None) -> Op | None:
     """Read one FX node into the canonical vocabulary, or None if it is outside it."""
     if not isinstance(node, fx.Node):
         return None
+    if node.kwargs.get("out") is not None:
+        return None  # ``torch.sub(s, b, out=buf)`` also writes ``buf``: a rewrite that drops the op would drop that
     reader: Reader | None = None
     context: Any = None
     if node.op == "call_function":

@@ -672,8 +672,10 @@ def _back_to_product(st: _Partial) -> None:
     while True:
         op = read(cur, st.gm)
         if op is None:
+            out = " and also writes its `out=` tensor" if isinstance(cur, fx.Node) and cur.kwargs.get("out") \
+                is not None else ""
             raise NearMiss(f"the scores pass through `{getattr(cur.target, '__name__', cur.target)}`{_at(cur)} "
-                           "between the product and the softmax", NOT_ATTENTION)
+                           f"between the product and the softmax{out}", NOT_ATTENTION)
         if op.kind == "baddbmm":
             _baddbmm_terms(op, chain, record)
             break

@@ -263,6 +263,8 @@ def rewrite_sites(gm: fx.GraphModule, matches: list[Match], candidate: str = "sd
                 extra["key_bias"] = _emit_key_bias(graph, m)
             if scale_tensor is not None:
                 extra["scale_tensor"] = scale_tensor
+            if m.zero_rows is not None:
+                extra["zero_rows"] = m.zero_rows
             new = call = graph.call_module(name, (q, k, v, mask, scale, m.dropout_p, *guard_nodes), extra)
             if dead is not None:  # `NaN * sigmoid(-inf)` rows, as written
                 new = graph.call_function(nan_dead_rows, (new, dead))

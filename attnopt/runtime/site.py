@@ -86,7 +86,29 @@ class AttentionSite(DispatchingSite):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                 scale: float | None = None, dropout_p: float | None = None,
                 *guarded: torch.Tensor, filled: torch.Tensor | None = None,
-                scale_tensor: torch.Tensor | None = None, mask_inputs: tuple | None = None) -> torch.Tensor:
+                scale_tensor: torch.Tensor | None = None, mask_inputs: tuple | None = None,
+                zero_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if zero_rows is None:
+            return self._forward(q, k, v, mask, scale, dropout_p, *guarded, filled=filled, scale_tensor=scale_tensor,
+                                 mask_inputs=mask_inputs)
+        # the probabilities are zeroed after the softmax where ``zero_rows`` holds (the rewrite zeroes the rows
+        # it covers whole, ``zero_hidden_rows``): the rows this site computes as written zero them as written
+        # too, so a row whose every key is hidden by -inf (NaN before the zeroing) passes no NaN to v's gradient
+        self._zero_probs = zero_rows if zero_rows.dim() >= 4 else \
+            zero_rows.reshape((1,) * (4 - zero_rows.dim()) + tuple(zero_rows.shape))
+        try:
+            return self._forward(q, k, v, mask, scale, dropout_p, *guarded, filled=filled, scale_tensor=scale_tensor,
+                                 mask_inputs=mask_inputs)
+        finally:
+            self._zero_probs = None
+
+    #: the post-softmax zeroing of the call in progress (``forward(zero_rows=...)``), 4-D
+    _zero_probs: torch.Tensor | None = None
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 scale: float | None = None, dropout_p: float | None = None,
+                 *guarded: torch.Tensor, filled: torch.Tensor | None = None,
+                 scale_tensor: torch.Tensor | None = None, mask_inputs: tuple | None = None) -> torch.Tensor:
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
@@ -243,6 +265,10 @@ class AttentionSite(DispatchingSite):
         mask = kwargs.get("attn_mask")
         if self.spec.score_floor is not None:  # floored after the mask, as spelled (spec.score_floor)
             kwargs = dict(kwargs, score_floor=self.spec.score_floor)
+        zero = self._zero_probs
+        if zero is not None:  # the first q.size(-2) queries (``_hidden_rows_as_written`` runs a head of them)
+            tq = q.size(-2)
+            kwargs = dict(kwargs, zero_probs=zero[..., :tq, :] if zero.size(-2) not in (1, tq) else zero)
         if not (self.cut_fills and isinstance(mask, torch.Tensor) and mask.is_floating_point()):
             return reference_attention(q, k, v, **kwargs)
         if filled is None:
