@@ -4,8 +4,10 @@
 graph. A cached model must therefore notice when one of them changes: a class attribute (read as
 ``self.x`` or ``Block.x``), an attribute of a module of the user's (``knobs.SCALE``), a numpy scalar or array,
 a field of a nested config, an object held in a tuple, a function or method forward calls (a monkey patch),
-a ``functools.partial``'s arguments, a variable forward closes over, and the global settings that decide the
-graph's dtypes (autocast, the default dtype). Each case below changes one of them after the capture: the
+a ``functools.partial``'s arguments, a variable forward closes over, a slots dataclass's field, a ``torch.finfo``
+held, a module imported inside a method, a library function patched (``F.hardtanh = ...``), a function's
+``__code__`` or ``__defaults__`` replaced in place, and the global settings that decide the graph's dtypes
+(autocast, the default dtype). Each case below changes one of them after the capture: the
 cached model must raise :class:`ModelChangedError`, and ``attnopt.generate(model, ...)`` must build again and
 give the tokens of the model as written.
 """
@@ -34,8 +36,22 @@ knobs.SCALE = 1.0
 sys.modules[knobs.__name__] = knobs
 
 
+knobs2 = types.ModuleType("attnopt_test_knobs2")  # a module of the user's, imported inside a method
+knobs2.SCALE = 1.0
+sys.modules[knobs2.__name__] = knobs2
+
+
 def shift(x):  # a module-level function forward calls
     return x
+
+
+def scaled(x, factor=1.0):  # its defaults replaced in place: the same function, another result
+    return x * factor
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:  # a config without a ``__dict__``
+    temp: float = 1.0
 
 
 @dataclasses.dataclass
@@ -72,6 +88,8 @@ def make_block(how: str):
             self.skip = {1}
             self.divisors = [1, 2, 3]
             self.bias_cfg = Biased()
+            self.slotted = Slotted()
+            self.lim = torch.finfo(torch.float32)
 
         def temp(self) -> float:
             if how in ("class", "subclass"):
@@ -98,6 +116,13 @@ def make_block(how: str):
                 return 1.0 if 2 not in self.skip else 0.05
             if how == "flat_list":
                 return float(self.divisors[0])
+            if how == "slots":
+                return self.slotted.temp
+            if how == "finfo":
+                return 1.0 if self.lim.bits == 32 else 0.05
+            if how == "import_inside":
+                import attnopt_test_knobs2
+                return attnopt_test_knobs2.SCALE
             return 1.0
 
         def scores(self, q, k):
@@ -109,6 +134,10 @@ def make_block(how: str):
             s = self.scores(q, k) / self.temp()
             s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).tril() == 0, float("-inf"))
             y = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+            if how == "library":
+                y = F.hardtanh(y, -1e4, 1e4)  # the identity here, as long as F.hardtanh is torch's
+            if how == "defaults":
+                y = scaled(y)
             return self.proj(self.act(shift(y))) + self.bias_cfg.bias
 
     class Derived(Block):  # the layers' class: ``temperature`` and ``temp`` are its base's
@@ -174,6 +203,20 @@ def change(model: LM, how: str, monkeypatch) -> None:
         monkeypatch.setitem(globals(), "shift", lambda y: y * 3.0)
     elif how == "method":
         monkeypatch.setattr(Block, "scores", lambda self, q, k: q @ k.transpose(-2, -1))
+    elif how == "slots":
+        for b in model.blocks:
+            b.slotted.temp = 0.05
+    elif how == "finfo":
+        for b in model.blocks:
+            b.lim = torch.finfo(torch.float16)
+    elif how == "import_inside":
+        monkeypatch.setattr(knobs2, "SCALE", 0.05)
+    elif how == "library":
+        monkeypatch.setattr(F, "hardtanh", lambda y, *args: y * 3.0)
+    elif how == "defaults":
+        monkeypatch.setattr(scaled, "__defaults__", (3.0,))
+    elif how == "code":  # IPython's autoreload swaps a function's code in place
+        monkeypatch.setattr(Block.scores, "__code__", (lambda self, q, k: q @ k.transpose(-2, -1)).__code__)
     elif how == "partial":
         for b in model.blocks:
             b.act.keywords["negative_slope"] = -3.0
@@ -182,7 +225,8 @@ def change(model: LM, how: str, monkeypatch) -> None:
 
 
 CHANGES = ["class", "class_by_name", "subclass", "literal", "instance_method", "module", "numpy", "array",
-           "nested_config", "nested_namespace", "tuple", "closure", "function", "method", "partial", "set", "flat_list"]
+           "nested_config", "nested_namespace", "tuple", "closure", "function", "method", "partial", "set", "flat_list",
+           "slots", "finfo", "import_inside", "library", "defaults", "code"]
 
 
 @pytest.mark.parametrize("how", CHANGES)

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import functools
 import operator
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -131,6 +132,8 @@ def _plain(value: Any, held: bool = False) -> Any:
         if isinstance(value, (float, complex, *_NUMPY_SCALARS)) and bool(value != value):
             return type(value), "nan"  # NaN is unequal to itself: another NaN is no change
         return type(value), value
+    if isinstance(value, (torch.finfo, torch.iinfo)):  # ``self.lim = torch.finfo(dtype)``: by its dtype's limits
+        return type(value), str(value)
     if isinstance(value, _ARRAYS) and value.nbytes <= _ARRAY_BYTES:  # mutable: by value (``_mutable``)
         return type(value), value.dtype.str, value.shape, value.tobytes()
     if held and (isinstance(value, (torch.Tensor, *_FUNCTIONS, type, *_ARRAYS)) or _holds_fields(value)):
@@ -231,8 +234,11 @@ def _holds_fields(value: Any) -> bool:
     """An object whose fields a forward may read as constants: a config (a dataclass, or ``to_dict`` as Hugging
     Face's), a ``SimpleNamespace``, or a plain instance of a class of the user's (not torch's, not callable)."""
     try:  # an attribute bag's ``__getattr__`` or a property may raise anything
-        if isinstance(value, (type, nn.Module, torch.Tensor)) or not isinstance(getattr(value, "__dict__", None), dict):
+        if isinstance(value, (type, nn.Module, torch.Tensor)):
             return False
+        if not isinstance(getattr(value, "__dict__", None), dict):
+            # fields in slots only (``@dataclass(slots=True)``, a class with ``__slots__``) of the user's
+            return bool(_slot_names(type(value))) and _users(type(value)) and not callable(value)
         if dataclasses.is_dataclass(value) or callable(getattr(value, "to_dict", None)) \
                 or isinstance(value, types.SimpleNamespace):
             return True
@@ -240,6 +246,17 @@ def _holds_fields(value: Any) -> bool:
         return False
     home = type(value).__module__ or ""
     return not callable(value) and not home.startswith(("torch", "builtins", "logging", "typing", "weakref"))
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The attribute names ``cls`` and its bases keep in slots (``__slots__``), without ``__weakref__``/``__dict__``."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__weakref__", "__dict__") and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def _user_methods(cls: type) -> list[Any]:
@@ -275,6 +292,10 @@ def _user_methods(cls: type) -> list[Any]:
 _LIBRARIES = frozenset({"torch", "builtins", "typing", "numpy", "math", "cmath", "functools", "itertools", "operator",
                         "collections", "logging", "warnings", "abc", "enum", "dataclasses", "inspect", "types",
                         "weakref", "copy", "re", "attnopt"})
+
+
+#: The standard library's top-level modules (a name in code that happens to be one is no import of the user's).
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
 def _users(value: Any) -> bool:
@@ -381,13 +402,26 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[str, Any, str, Any]]:
         out.extend(_closure_reads(f))
         names = _code_names(f)
         where = g.get("__name__", "?")
-        for name in names & g.keys():
-            value = g[name]
+        # a module imported inside the function (``import knobs`` in forward) is no global: read like one
+        inner = [(name, sys.modules[name]) for name in names - g.keys()
+                 if isinstance(sys.modules.get(name), types.ModuleType) and _users(sys.modules[name])
+                 and name.split(".")[0] not in _STDLIB]
+        for name, value in [*((n, g[n]) for n in names & g.keys()), *inner]:
+            if isinstance(value, types.ModuleType) and not _users(value):
+                # ``torch``, ``F``, ``math``: the attributes this code names, by identity or value (``F.gelu``
+                # patched is not what the capture traced), not followed further
+                space = vars(value)
+                for attr in names & space.keys():
+                    if isinstance(space[attr], (*_FUNCTIONS, type)) or _plain(space[attr]) is not _MISSING:
+                        out.append((f"{value.__name__}.{attr}", space, attr, space[attr]))
+                continue
             if not (_readable(value) or isinstance(value, types.ModuleType) and _users(value)):
                 continue
-            if isinstance(value, (types.ModuleType, type, *_FUNCTIONS)) and not _users(value):
-                continue  # ``torch``, ``F.gelu``, ``math``: a library's
-            out.append((f"global `{name}` of {where}", g, name, value))
+            if name in g:  # (a module imported inside: its attributes below, it is no global)
+                out.append((f"global `{name}` of {where}", g, name, value))
+                if isinstance(value, (type, *_FUNCTIONS)) and not _users(value):
+                    continue  # a library's function or class under a global name (``from torch import cat``): by
+                    # identity, not followed
             if isinstance(value, types.ModuleType):  # ``knobs.SCALE``: the attributes this code names
                 space = vars(value)
                 for attr in names & space.keys():
@@ -485,7 +519,19 @@ class _Attrs:
                 same.append((holder, name, value))
             else:
                 views.append((holder, name, value))
-            if isinstance(value, _FUNCTIONS):  # what a held function reads: its globals, closure, partial arguments
+            if isinstance(value, types.FunctionType) and _users(value):
+                # its code and defaults replaced in place (IPython's autoreload, ``f.__defaults__ = ...``): the
+                # same function object computing something else
+                fields = _Fields(value)
+                for attr in ("__code__", "__defaults__", "__kwdefaults__"):
+                    part = getattr(value, attr)
+                    frozen_part = _plain(part)
+                    snap[f"{key}.{attr}"] = ("value", (type(part), id(part)) if frozen_part is _MISSING
+                                             else frozen_part, _Shown(f"{attr} at {id(part):#x}"))
+                    views.append((fields, attr, part))
+            if isinstance(value, _FUNCTIONS) and (not isinstance(value, types.FunctionType) or _users(value)):
+                # what a held function of the user's reads: its globals, closure, partial arguments (a library's
+                # function reads its library, which does not change under it)
                 for k, h, n, v in _global_reads(value) if not isinstance(value, functools.partial) else ():
                     pin(k, h, n, v, depth)
                 for k, h, n, v in _closure_reads(value):
@@ -498,8 +544,14 @@ class _Attrs:
             snap[f"torch.nn.modules.module.{hooks}"] = ("hooks", len(held), len(held))
             sizes.append((held, len(held)))
         for path, obj, depth in owners:  # grows while walked: objects with fields found on the way
-            d = obj.__dict__
-            sizes.append((d, len(d)))
+            d = getattr(obj, "__dict__", None)
+            if d is None:  # fields in slots: each through the object's view (an unset slot pinned as None)
+                view = _Fields(obj)
+                for name in _slot_names(type(obj)):
+                    pin(f"{path}.{name}" if path else name, view, name, view.get(name), depth)
+                d = {}
+            else:
+                sizes.append((d, len(d)))
             module = isinstance(obj, nn.Module)
             if type(obj) not in reads:  # what forward and the other methods of the user's classes read
                 methods = _user_methods(type(obj))
