@@ -75,6 +75,8 @@ class AttentionSite(DispatchingSite):
 
     #: the site decides per row whether a finite fill may carry weight (:class:`MixedFillSite`)
     fill_rows = False
+    #: the post-softmax zeroing of the call in progress (``forward(zero_rows=...)``), 4-D
+    _zero_probs: torch.Tensor | None = None
 
     def _fill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict, filled: torch.Tensor,
                    grad: bool, tracing: bool, dropout_active: bool) -> torch.Tensor:
@@ -88,27 +90,18 @@ class AttentionSite(DispatchingSite):
                 *guarded: torch.Tensor, filled: torch.Tensor | None = None,
                 scale_tensor: torch.Tensor | None = None, mask_inputs: tuple | None = None,
                 zero_rows: torch.Tensor | None = None) -> torch.Tensor:
-        if zero_rows is None:
-            return self._forward(q, k, v, mask, scale, dropout_p, *guarded, filled=filled, scale_tensor=scale_tensor,
-                                 mask_inputs=mask_inputs)
-        # the probabilities are zeroed after the softmax where ``zero_rows`` holds (the rewrite zeroes the rows
-        # it covers whole, ``zero_hidden_rows``): the rows this site computes as written zero them as written
-        # too, so a row whose every key is hidden by -inf (NaN before the zeroing) passes no NaN to v's gradient
-        self._zero_probs = zero_rows if zero_rows.dim() >= 4 else \
-            zero_rows.reshape((1,) * (4 - zero_rows.dim()) + tuple(zero_rows.shape))
-        try:
-            return self._forward(q, k, v, mask, scale, dropout_p, *guarded, filled=filled, scale_tensor=scale_tensor,
-                                 mask_inputs=mask_inputs)
-        finally:
-            self._zero_probs = None
-
-    #: the post-softmax zeroing of the call in progress (``forward(zero_rows=...)``), 4-D
-    _zero_probs: torch.Tensor | None = None
-
-    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                 scale: float | None = None, dropout_p: float | None = None,
-                 *guarded: torch.Tensor, filled: torch.Tensor | None = None,
-                 scale_tensor: torch.Tensor | None = None, mask_inputs: tuple | None = None) -> torch.Tensor:
+        if zero_rows is not None:
+            # the probabilities are zeroed after the softmax where ``zero_rows`` holds (the rewrite zeroes the
+            # rows it covers whole, ``zero_hidden_rows``): the rows this site computes as written zero them as
+            # written too, so a row whose every key is hidden by -inf (NaN before the zeroing) passes no NaN to
+            # v's gradient. Kept in ``__dict__`` for this call only (no ``Module.__setattr__`` per call).
+            self.__dict__["_zero_probs"] = zero_rows if zero_rows.dim() >= 4 else \
+                zero_rows.reshape((1,) * (4 - zero_rows.dim()) + tuple(zero_rows.shape))
+            try:
+                return self.forward(q, k, v, mask, scale, dropout_p, *guarded, filled=filled,
+                                    scale_tensor=scale_tensor, mask_inputs=mask_inputs)
+            finally:
+                self.__dict__["_zero_probs"] = None
         spec = self.spec
         scale = spec.scale if scale is None else float(scale)
         p = spec.dropout_p if dropout_p is None else float(dropout_p)
