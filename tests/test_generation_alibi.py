@@ -100,6 +100,12 @@ class Alibi(nn.Module):
             rel = torch.arange(1 - S, 1, device=idx.device).float()
             bend = torch.where(torch.arange(S, device=idx.device) < S // 2, 3.0, 0.0)
             att = (s + ((rel + bend) * slopes[:, None])[:, None, S - T:]).masked_fill(~keep, float("-inf"))
+        elif self.how == "end_sub":  # MPT's table with the slopes' sign turned over, subtracted
+            S = self.config.block_size
+            slopes = 1.0 / torch.pow(2, torch.arange(1, H + 1, device=idx.device).float() * (8 / H))
+            rel = torch.arange(1 - S, 1, dtype=torch.int32, device=idx.device)
+            table = (rel.view(1, S) * -slopes[:, None])[:, None, :]
+            att = (s - table[:, :, S - T:]).masked_fill(~keep, float("-inf"))
         elif self.how.startswith("end_"):  # MPT's: a table built in forward, read from its end (changes with T)
             S = self.config.block_size
             if self.how == "end_buffer":  # from a buffer, which may change: refused
@@ -139,7 +145,7 @@ class Bloomish(Alibi):
 
 
 @pytest.mark.parametrize("how", ["add", "sub", "sub_scaled", "mask_first", "folded", "scaled", "table", "gate",
-                                 "end_table", "end_max"])
+                                 "end_table", "end_max", "end_sub"])
 def test_a_term_per_key_is_cached_exactly(how):
     lm = assert_cached_exactly(Alibi(how).eval())
     assert all(s.keeps_key_bias for s in lm.sites)

@@ -358,7 +358,7 @@ def _set_key_bias_apart(m: Match, gm: fx.GraphModule, tokens: fx.Node, declared:
     per_key, rest = [], []
     for t in plan.terms:
         hidden = _hidden_key_bias(t)
-        relative = None if not isinstance(t, Add) or t.relayout else relative_key_term(gm, t.mask, tokens, declared)
+        relative = None if not isinstance(t, Add) or t.relayout else _relative_term(gm, t.mask, tokens, declared)
         if relative is not None:  # the same term up to a constant per row (MPT's): the keys' own part
             per_key.append(Add(relative, t.factor, t.dtype))
             m.relative_key_bias = True
@@ -375,6 +375,23 @@ def _set_key_bias_apart(m: Match, gm: fx.GraphModule, tokens: fx.Node, declared:
     m.mask = replace(plan, terms=rest, kind="additive" if rest else "none")
     m.spec = replace(m.spec, mask=m.mask.kind)
     return True
+
+
+def _relative_term(gm: fx.GraphModule, mask: fx.Node, tokens: fx.Node, declared: int | None) -> fx.Node | None:
+    """:func:`~attnopt.passes.kv_capture.relative_key_term` of ``mask``, or of what ``mask`` negates (a table's end
+    subtracted from the scores, ``s - table[..., S - T:]``, which the matcher reads as ``s + neg(...)``): then
+    the negated term, ``-slope * j``, again the written term up to a constant per row."""
+    negated = mask.op == "call_function" and mask.target is aten.neg.default and isinstance(mask.args[0], fx.Node)
+    term = relative_key_term(gm, mask.args[0] if negated else mask, tokens, declared)
+    if term is None or not negated:
+        return term
+    with gm.graph.inserting_after(term):
+        neg = gm.graph.call_function(aten.neg.default, (term,))
+    val = term.meta["val"]
+    with getattr(val, "fake_mode", None) or contextlib.nullcontext():
+        neg.meta["val"] = torch.neg(val)
+    neg.meta.update({k: term.meta[k] for k in ("stack_trace", "nn_module_stack") if k in term.meta})
+    return neg
 
 
 def _hidden_key_bias(t: Any) -> tuple[Add, Fill] | None:
