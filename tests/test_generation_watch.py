@@ -325,3 +325,25 @@ def test_odd_attribute_values_neither_crash_the_watch_nor_raise_when_unchanged()
     model.note = torch.zeros(1)  # an object under a name no code reads
     lm.step(idx[:, -1:])
     assert torch.equal(attnopt.generate(model, idx, 4), generate_plain(model, idx, 4))
+
+
+def test_save_pretrained_keeps_the_cache(tmp_path):
+    """``save_pretrained`` records ``architectures`` and the dtype's name in the config; no forward reads the first,
+    and a dtype and its name are the same value: the cached model serves on, exactly."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=V, n_positions=32,
+                                  attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.config.dtype = torch.float32  # as from_pretrained sets it
+    lm = cached(model)
+    idx = torch.randint(1, V, (1, 4))
+    lm.prefill(idx)
+    model.save_pretrained(tmp_path)
+    assert model.config.architectures == ["GPT2LMHeadModel"] and model.config.dtype == "float32"
+    with torch.no_grad():
+        torch.testing.assert_close(lm.step(idx[:, -1:])[0, -1], model(torch.cat([idx, idx[:, -1:]], 1)).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+    model.config.n_embd = 64  # a field a forward may read (plain): still a change
+    with pytest.raises(ModelChangedError, match="n_embd"):
+        lm.step(idx[:, -1:])

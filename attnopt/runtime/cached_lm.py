@@ -248,6 +248,18 @@ def _holds_fields(value: Any) -> bool:
     return not callable(value) and not home.startswith(("torch", "builtins", "logging", "typing", "weakref"))
 
 
+#: Fields of a Hugging Face config that record where it came from (``save_pretrained`` sets ``architectures``),
+#: read by loading and saving code, never by a model's forward: not pinned.
+_HF_CONFIG_RECORDS = frozenset(("architectures", "_name_or_path", "name_or_path", "transformers_version",
+                                "_commit_hash"))
+
+
+def _hf_config(obj: Any) -> bool:
+    """``obj`` is a Hugging Face model config (a subclass of ``transformers``' ``PreTrainedConfig``)."""
+    return any(k.__name__.lower() == "pretrainedconfig" and (k.__module__ or "").startswith("transformers")
+               for k in type(obj).__mro__)
+
+
 def _slot_names(cls: type) -> tuple[str, ...]:
     """The attribute names ``cls`` and its bases keep in slots (``__slots__``), without ``__weakref__``/``__dict__``."""
     names: list[str] = []
@@ -487,12 +499,15 @@ class _Attrs:
                 seen.add(id(obj))
                 owners.append((path, obj, depth))
 
-        def pin(key: str, holder: Any, name: str, value: Any, depth: int) -> None:
+        def pin(key: str, holder: Any, name: str, value: Any, depth: int, as_name: bool = False) -> None:
             """Pin ``holder[name]`` (now ``value``): plain values by value, objects by identity (an object with
-            fields is followed: its own fields are pinned too, ``depth`` levels down)."""
+            fields is followed: its own fields are pinned too, ``depth`` levels down). ``as_name``: a dtype and
+            its name are the same value (a Hugging Face config's ``dtype``, which ``save_pretrained`` sets to
+            the name)."""
             if key in snap:
                 return
-            frozen = _plain(value)
+            frozen = _plain(str(value).removeprefix("torch.") if as_name and isinstance(value, torch.dtype)
+                            else value)
             if frozen is _MISSING:
                 if not _readable(value):
                     return
@@ -587,12 +602,15 @@ class _Attrs:
                 # ``forward`` set on the instance (a monkey patch) is what ``_call_impl`` runs
                 snap[f"{path or '<root>'} (forward)"] = ("forward", id(d.get("forward")), d.get("forward"))
                 same.append((d, "forward", d.get("forward")))
+            hf_config = not module and _hf_config(obj)
             for name, value in d.items():
                 if module and name in _MODULE_INTERNALS:
                     continue
                 if module and isinstance(value, nn.Module):
                     continue  # submodules live in ``_modules`` (pinned above)
-                pin(f"{path}.{name}" if path else name, d, name, value, depth)
+                if hf_config and name in _HF_CONFIG_RECORDS:
+                    continue  # what a Hugging Face config records about its checkpoint, which no forward reads
+                pin(f"{path}.{name}" if path else name, d, name, value, depth, as_name=hf_config and name == "dtype")
         self.read_names = read_names
         self.held = [t for t in {id(t): t for t in held_tensors}.values() if not t.is_inference()]
         self.versions = list(map(_VERSION, self.held))
