@@ -54,6 +54,42 @@ class Slotted:  # a config without a ``__dict__``
     temp: float = 1.0
 
 
+class SlotsBase:
+    __slots__ = ("temp",)
+
+    def __init__(self):
+        self.temp = 1.0
+
+
+class SlotsAndDict(SlotsBase):  # no ``__slots__`` of its own: a ``__dict__`` beside the base's slot
+    pass
+
+
+class Scaler:  # a callable object of the user's, not a module
+    def __init__(self, s: float = 1.0):
+        self.s = s
+
+    def __call__(self, y):
+        return y * self.s
+
+
+def helper(y, opts={"s": 1.0}):  # noqa: B006 - a mutable default, changed in place by the test
+    return y * opts["s"]
+
+
+HELPER_SCALE = 1.0
+
+
+def helper2(y):  # held in a dict, it reads a global forward does not name
+    return y * HELPER_SCALE
+
+
+pkg = types.ModuleType("attnopt_test_pkg")  # a package of the user's with a submodule
+pkg.sub = types.ModuleType("attnopt_test_pkg.sub")
+pkg.sub.SCALE = 1.0
+sys.modules[pkg.__name__], sys.modules[pkg.sub.__name__] = pkg, pkg.sub
+
+
 @dataclasses.dataclass
 class Inner:
     temp: float = 1.0
@@ -89,6 +125,9 @@ def make_block(how: str):
             self.divisors = [1, 2, 3]
             self.bias_cfg = Biased()
             self.slotted = Slotted()
+            self.slots_dict = SlotsAndDict()
+            self.scaler = Scaler()
+            self.fns = {"post": helper, "post2": helper2}
             self.lim = torch.finfo(torch.float32)
 
         def temp(self) -> float:
@@ -123,7 +162,25 @@ def make_block(how: str):
             if how == "import_inside":
                 import attnopt_test_knobs2
                 return attnopt_test_knobs2.SCALE
+            if how == "slots_dict":
+                return self.slots_dict.temp
+            if how == "from_import_sub":
+                from attnopt_test_pkg import sub
+                return sub.SCALE
+            if how == "static_code":
+                return self.fixed()
             return 1.0
+
+        @staticmethod
+        def fixed() -> float:
+            return 1.0
+
+        if how == "library":  # (defined for this case only: `F` read here would pin the full path's too)
+            def through_f(self, y):  # the identity here, as long as F.hardtanh is torch's
+                return F.hardtanh(y, -1e4, 1e4)
+
+        def full_path(self, y):  # the same, named in full (no `F` in this method)
+            return torch.nn.functional.hardtanh(y, -1e4, 1e4)
 
         def scores(self, q, k):
             return q @ k.transpose(-2, -1) * (C // H) ** -0.5
@@ -135,9 +192,19 @@ def make_block(how: str):
             s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).tril() == 0, float("-inf"))
             y = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
             if how == "library":
-                y = F.hardtanh(y, -1e4, 1e4)  # the identity here, as long as F.hardtanh is torch's
+                y = self.through_f(y)
             if how == "defaults":
                 y = scaled(y)
+            if how == "full_path":
+                y = self.full_path(y)
+            if how == "tensor_method":
+                y = y.sigmoid() - 0.5
+            if how == "callable_object":
+                y = self.scaler(y)
+            if how == "mutable_default":
+                y = self.fns["post"](y)
+            if how == "function_in_dict":
+                y = self.fns["post2"](y)
             return self.proj(self.act(shift(y))) + self.bias_cfg.bias
 
     class Derived(Block):  # the layers' class: ``temperature`` and ``temp`` are its base's
@@ -217,6 +284,25 @@ def change(model: LM, how: str, monkeypatch) -> None:
         monkeypatch.setattr(scaled, "__defaults__", (3.0,))
     elif how == "code":  # IPython's autoreload swaps a function's code in place
         monkeypatch.setattr(Block.scores, "__code__", (lambda self, q, k: q @ k.transpose(-2, -1)).__code__)
+    elif how == "slots_dict":
+        for b in model.blocks:
+            b.slots_dict.temp = 0.05
+    elif how == "from_import_sub":
+        monkeypatch.setattr(pkg.sub, "SCALE", 0.05)
+    elif how == "static_code":
+        monkeypatch.setattr(Block.__dict__["fixed"].__func__, "__code__", (lambda: 0.05).__code__)
+    elif how == "full_path":
+        monkeypatch.setattr(torch.nn.functional, "hardtanh", lambda y, *args: y * 3.0)
+    elif how == "tensor_method":
+        sigmoid = torch.Tensor.sigmoid
+        monkeypatch.setattr(torch.Tensor, "sigmoid", lambda t: sigmoid(t * 3.0), raising=False)
+    elif how == "callable_object":
+        for b in model.blocks:
+            b.scaler.s = 3.0
+    elif how == "mutable_default":
+        monkeypatch.setitem(helper.__defaults__[0], "s", 3.0)
+    elif how == "function_in_dict":  # a global the held function reads
+        monkeypatch.setitem(globals(), "HELPER_SCALE", 3.0)
     elif how == "partial":
         for b in model.blocks:
             b.act.keywords["negative_slope"] = -3.0
@@ -226,7 +312,8 @@ def change(model: LM, how: str, monkeypatch) -> None:
 
 CHANGES = ["class", "class_by_name", "subclass", "literal", "instance_method", "module", "numpy", "array",
            "nested_config", "nested_namespace", "tuple", "closure", "function", "method", "partial", "set", "flat_list",
-           "slots", "finfo", "import_inside", "library", "defaults", "code"]
+           "slots", "finfo", "import_inside", "library", "defaults", "code", "slots_dict", "from_import_sub",
+           "static_code", "full_path", "callable_object", "mutable_default", "function_in_dict"]
 
 
 @pytest.mark.parametrize("how", CHANGES)
@@ -346,4 +433,18 @@ def test_save_pretrained_keeps_the_cache(tmp_path):
                                    atol=1e-5, rtol=1e-5)
     model.config.n_embd = 64  # a field a forward may read (plain): still a change
     with pytest.raises(ModelChangedError, match="n_embd"):
+        lm.step(idx[:, -1:])
+
+
+def test_a_tensor_method_patched_is_seen(monkeypatch):
+    """``torch.Tensor.sigmoid`` replaced after the capture: the method forward calls on a tensor is not what the
+    cached graph computes."""
+    model = LM("tensor_method").eval()
+    idx = torch.randint(0, V, (1, 4))
+    lm = cached(model)
+    lm.prefill(idx)
+    change(model, "tensor_method", monkeypatch)
+    with torch.no_grad():
+        assert (model(idx) - lm.graph_module(idx, 0)).abs().max() > 1e-3, "the change must matter"
+    with pytest.raises(ModelChangedError, match="torch.Tensor.sigmoid"):
         lm.step(idx[:, -1:])

@@ -232,7 +232,7 @@ class _Shown(str):
 
 def _holds_fields(value: Any) -> bool:
     """An object whose fields a forward may read as constants: a config (a dataclass, or ``to_dict`` as Hugging
-    Face's), a ``SimpleNamespace``, or a plain instance of a class of the user's (not torch's, not callable)."""
+    Face's), a ``SimpleNamespace``, or a plain or callable instance of a class of the user's (not torch's)."""
     try:  # an attribute bag's ``__getattr__`` or a property may raise anything
         if isinstance(value, (type, nn.Module, torch.Tensor)):
             return False
@@ -245,7 +245,10 @@ def _holds_fields(value: Any) -> bool:
     except Exception:  # noqa: BLE001 - not an object whose fields can be read: not pinned by its fields
         return False
     home = type(value).__module__ or ""
-    return not callable(value) and not home.startswith(("torch", "builtins", "logging", "typing", "weakref"))
+    if home.startswith(("torch", "builtins", "logging", "typing", "weakref")):
+        return False
+    # a callable object of the user's (``self.act = Scaler(1.0)``): its fields, and what its ``__call__`` reads
+    return not callable(value) or not isinstance(value, (*_FUNCTIONS, type)) and _users(type(value))
 
 
 #: Fields of a Hugging Face config that record where it came from (``save_pretrained`` sets ``architectures``),
@@ -272,8 +275,8 @@ def _slot_names(cls: type) -> tuple[str, ...]:
 
 
 def _user_methods(cls: type) -> list[Any]:
-    """``forward`` of ``cls`` and the methods of the user's classes it reaches by name (``self.post(x)``; static
-    and class methods, properties), not torch's."""
+    """``forward`` (``__call__`` of a callable object) of ``cls`` and the methods of the user's classes it reaches by
+    name (``self.post(x)``; static and class methods, properties), not torch's."""
     found: dict[str, list[Any]] = {}  # every class's definition of a name: ``super().forward()`` reaches the base's
     for klass in cls.__mro__:
         if (klass.__module__ or "").startswith(("torch", "builtins")):
@@ -285,7 +288,7 @@ def _user_methods(cls: type) -> list[Any]:
                 value = value.fget
             if isinstance(value, types.FunctionType):
                 found.setdefault(name, []).append(value)
-    out, todo, seen = [], list(found.get("forward", ())), set()
+    out, todo, seen = [], [*found.get("forward", ()), *found.get("__call__", ())], set()
     while todo:
         fn = todo.pop()
         if id(fn) in seen:
@@ -309,16 +312,25 @@ _LIBRARIES = frozenset({"torch", "builtins", "typing", "numpy", "math", "cmath",
 #: The standard library's top-level modules (a name in code that happens to be one is no import of the user's).
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
+#: Tools that run beside a model, never inside its forward's numbers (test runners and their plugins, progress
+#: bars, notebooks): their code and state (timers, registries) change under a model without changing it.
+#: (pytest's assertion rewriting makes a test module's code read ``_pytest``.)
+_TOOLS = frozenset({"_pytest", "pytest", "pluggy", "hypothesis", "xdist", "execnet", "tqdm", "rich", "IPython",
+                    "ipykernel", "jupyter_client", "traitlets", "tornado", "zmq", "coverage", "pdb", "debugpy",
+                    "tabulate", "matplotlib", "PIL", "pandas", "scipy", "sklearn"})
+
 
 def _users(value: Any) -> bool:
-    """A function, class or module of the user's (defined outside torch, the standard helpers and attnopt)."""
+    """A function, class or module of the user's (defined outside torch, the standard library, the standard
+    helpers, attnopt and the tools in ``_TOOLS``)."""
     if isinstance(value, types.ModuleType):
         home = value.__name__
     elif isinstance(value, (types.FunctionType, type)):
         home = value.__module__ or ""
     else:
         return False
-    return home.split(".")[0] not in _LIBRARIES
+    top = home.split(".")[0]
+    return top not in _LIBRARIES and top not in _TOOLS and top not in _STDLIB
 
 
 class _Fields:
@@ -413,19 +425,17 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[str, Any, str, Any]]:
         seen.add(id(code))
         out.extend(_closure_reads(f))
         names = _code_names(f)
+        out.extend(_tensor_reads(names))
         where = g.get("__name__", "?")
         # a module imported inside the function (``import knobs`` in forward) is no global: read like one
         inner = [(name, sys.modules[name]) for name in names - g.keys()
-                 if isinstance(sys.modules.get(name), types.ModuleType) and _users(sys.modules[name])
-                 and name.split(".")[0] not in _STDLIB]
+                 if isinstance(sys.modules.get(name), types.ModuleType) and _users(sys.modules[name])]
         for name, value in [*((n, g[n]) for n in names & g.keys()), *inner]:
             if isinstance(value, types.ModuleType) and not _users(value):
                 # ``torch``, ``F``, ``math``: the attributes this code names, by identity or value (``F.gelu``
-                # patched is not what the capture traced), not followed further
-                space = vars(value)
-                for attr in names & space.keys():
-                    if isinstance(space[attr], (*_FUNCTIONS, type)) or _plain(space[attr]) is not _MISSING:
-                        out.append((f"{value.__name__}.{attr}", space, attr, space[attr]))
+                # patched is not what the capture traced), and so in the submodules it names
+                # (``torch.nn.functional.gelu``), not followed further
+                _library_reads(value, names, out)
                 continue
             if not (_readable(value) or isinstance(value, types.ModuleType) and _users(value)):
                 continue
@@ -435,13 +445,21 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[str, Any, str, Any]]:
                     continue  # a library's function or class under a global name (``from torch import cat``): by
                     # identity, not followed
             if isinstance(value, types.ModuleType):  # ``knobs.SCALE``: the attributes this code names
-                space = vars(value)
-                for attr in names & space.keys():
-                    if _readable(space[attr]) and not (isinstance(space[attr], (types.ModuleType, type, *_FUNCTIONS))
-                                                       and not _users(space[attr])):
-                        out.append((f"{value.__name__}.{attr}", space, attr, space[attr]))
-                        if left > 0 and isinstance(space[attr], types.FunctionType):
-                            walk(space[attr], left - 1)
+                modules, done = [value], {id(value)}
+                while modules:  # and those of its submodules the code names (``from pkg import sub``)
+                    space = vars(modules.pop())
+                    for attr in names & space.keys():
+                        item = space[attr]
+                        if isinstance(item, types.ModuleType):
+                            if _users(item) and id(item) not in done:
+                                done.add(id(item))
+                                modules.append(item)
+                                out.append((f"{item.__name__} (module)", space, attr, item))
+                            continue
+                        if _readable(item):  # a library's function or class there: by identity, not followed
+                            out.append((f"{space.get('__name__', '?')}.{attr}", space, attr, item))
+                            if left > 0 and isinstance(item, types.FunctionType) and _users(item):
+                                walk(item, left - 1)
             elif isinstance(value, type):
                 out.extend(_class_reads(value, names))
             elif left > 0 and isinstance(value, types.FunctionType):
@@ -449,6 +467,38 @@ def _global_reads(fn: Any, depth: int = 3) -> list[tuple[str, Any, str, Any]]:
 
     walk(getattr(fn, "__func__", fn), depth)
     return out
+
+
+def _library_reads(module: types.ModuleType, names: set[str], out: list[tuple[str, Any, str, Any]],
+                   depth: int = 3) -> None:
+    """``(key, namespace, name, value)`` for the functions, classes and plain values that ``names`` names in a
+    library module and, ``depth`` levels down, in the submodules they name (``torch.nn.functional.gelu``: ``nn``,
+    ``functional``, ``gelu``)."""
+    todo, done = [(module, depth)], set()
+    while todo:
+        mod, left = todo.pop()
+        if id(mod) in done:
+            continue
+        done.add(id(mod))
+        space = vars(mod)
+        for attr in names & space.keys():
+            item = space[attr]
+            if isinstance(item, types.ModuleType):
+                if left > 0:
+                    todo.append((item, left - 1))
+            elif isinstance(item, (*_FUNCTIONS, type)) or _plain(item) is not _MISSING:
+                out.append((f"{mod.__name__}.{attr}", space, attr, item))
+
+
+def _tensor_reads(names: set[str]) -> list[tuple[str, Any, str, Any]]:
+    """``(key, namespace, name, value)`` for the ``torch.Tensor`` methods ``names`` names (``y.sigmoid()``), as the
+    class defines them or absent (defined by its C base): ``torch.Tensor.sigmoid = ...`` patched."""
+    tensor = vars(torch.Tensor)
+    return [(f"torch.Tensor.{attr}", tensor, attr, tensor.get(attr)) for attr in names & _TENSOR_ATTRS]
+
+
+#: The attributes of ``torch.Tensor`` (its methods, a name a forward may call on a tensor).
+_TENSOR_ATTRS = frozenset(a for a in dir(torch.Tensor) if not a.startswith("__"))
 
 
 class _Attrs:
@@ -534,16 +584,29 @@ class _Attrs:
                 same.append((holder, name, value))
             else:
                 views.append((holder, name, value))
-            if isinstance(value, types.FunctionType) and _users(value):
+            if isinstance(value, (tuple, list, dict)):  # a function of the user's held in a container (``acts``)
+                for k, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+                    if isinstance(item, types.FunctionType) and _users(item):
+                        pin(f"{key}[{k!r}]", {"function": item}, "function", item, depth)  # its code, defaults, reads
+            inner = value.__func__ if isinstance(value, (staticmethod, classmethod)) else \
+                value.fget if isinstance(value, property) else value
+            if isinstance(inner, types.FunctionType) and _users(inner):
                 # its code and defaults replaced in place (IPython's autoreload, ``f.__defaults__ = ...``): the
-                # same function object computing something else
-                fields = _Fields(value)
-                for attr in ("__code__", "__defaults__", "__kwdefaults__"):
-                    part = getattr(value, attr)
-                    frozen_part = _plain(part)
-                    snap[f"{key}.{attr}"] = ("value", (type(part), id(part)) if frozen_part is _MISSING
-                                             else frozen_part, _Shown(f"{attr} at {id(part):#x}"))
-                    views.append((fields, attr, part))
+                # same function object computing something else; defaults compared by value (a mutable default
+                # changed in place)
+                fields = _Fields(inner)
+                code = inner.__code__
+                snap[f"{key}.__code__"] = ("value", (type(code), id(code)), _Shown(f"code at {id(code):#x}"))
+                views.append((fields, "__code__", code))
+                for attr in ("__defaults__", "__kwdefaults__"):
+                    part = getattr(inner, attr)
+                    if _plain(part) is not _MISSING:
+                        pin(f"{key}.{attr}", fields, attr, part, depth)
+                    else:  # (an object that is no plain value among them: by identity)
+                        snap[f"{key}.{attr}"] = ("value", (type(part), id(part)), _Shown(f"{attr} at {id(part):#x}"))
+                        views.append((fields, attr, part))
+                if inner is not value:
+                    value = inner  # what the wrapped function reads, below
             if isinstance(value, _FUNCTIONS) and (not isinstance(value, types.FunctionType) or _users(value)):
                 # what a held function of the user's reads: its globals, closure, partial arguments (a library's
                 # function reads its library, which does not change under it)
@@ -560,10 +623,13 @@ class _Attrs:
             sizes.append((held, len(held)))
         for path, obj, depth in owners:  # grows while walked: objects with fields found on the way
             d = getattr(obj, "__dict__", None)
-            if d is None:  # fields in slots: each through the object's view (an unset slot pinned as None)
+            if not isinstance(obj, nn.Module) and _slot_names(type(obj)):
+                # fields in slots (beside a ``__dict__`` or not): each through the object's view (an unset slot
+                # pinned as None)
                 view = _Fields(obj)
                 for name in _slot_names(type(obj)):
                     pin(f"{path}.{name}" if path else name, view, name, view.get(name), depth)
+            if d is None:
                 d = {}
             else:
                 sizes.append((d, len(d)))
