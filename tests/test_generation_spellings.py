@@ -221,10 +221,27 @@ class PostMasked(Base):
         return self.block(self.embed(idx))
 
 
+class GradModeBlock(Base):
+    """A ``with torch.enable_grad():`` (or ``no_grad``) block in forward, which export keeps as a higher-order op
+    around its body: grad mode changes no value, so the block is read as its body."""
+
+    def __init__(self, mode: str = "enable_grad"):
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        with getattr(torch, self.mode)():
+            x = x * 3 + 1
+        return self.block(x)
+
+
 @pytest.mark.parametrize("model", [Interleaved(), Tiled(), PickedHeads(), Counted(), Counted(takes_mask=True),
-                                   Counted(dtype=torch.long), FoldedHeads(), Untagged(), PostMasked()],
+                                   Counted(dtype=torch.long), FoldedHeads(), Untagged(), PostMasked(),
+                                   GradModeBlock(), GradModeBlock("no_grad")],
                          ids=["repeat_interleave", "repeat", "fixed-index", "cumsum-of-ones", "cumsum-of-the-mask",
-                              "cumsum-of-long-ones", "folded-heads", "untagged-elementwise", "masked-again-after"])
+                              "cumsum-of-long-ones", "folded-heads", "untagged-elementwise", "masked-again-after",
+                              "enable-grad-block", "no-grad-block"])
 def test_position_wise_spellings_are_cached_exactly(model):
     assert_cached_exactly(model.eval())
 
@@ -344,6 +361,12 @@ def test_max_len_from_the_text_config_of_a_composite_config():
     assert config_max(model) == 12
     model.config = types.SimpleNamespace(max_position_embeddings=20, get_text_config=lambda: text)
     assert config_max(model) == 20  # its own first
+
+    def ambiguous():  # Hugging Face's, for a config with several candidate text configs
+        raise ValueError("Multiple valid text configs were found in the model config")
+
+    model.config = types.SimpleNamespace(max_position_embeddings=20, get_text_config=ambiguous)
+    assert config_max(model) == 20  # the top-level config's, not the error
 
 
 class SoftCapped(Base):

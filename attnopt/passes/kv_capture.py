@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -89,6 +90,51 @@ def _attributes_kept(model: nn.Module) -> Iterator[None]:
 _GONE = object()
 
 
+def _inline_grad_mode_blocks(module: fx.GraphModule) -> None:
+    """Replace each ``wrap_with_set_grad_enabled(mode, body, *args)`` (a ``with torch.enable_grad():`` block in
+    forward, or ``no_grad`` when exported with gradients) by its body's ops. Grad mode decides what autograd
+    records, never a value, and the cached model runs without gradients: the block computes the same there."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    graph = module.graph
+    for node in [n for n in graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]:
+        body_ref = node.args[1]
+        body = getattr(module, str(body_ref.target), None) if isinstance(body_ref, fx.Node) \
+            and body_ref.op == "get_attr" else None
+        if not isinstance(body, fx.GraphModule):
+            continue
+        env: dict[fx.Node, Any] = {}
+        inputs = iter(node.args[2:])
+        with graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    env[inner] = next(inputs)
+                elif inner.op == "get_attr":  # a constant of the body: registered on the module under a new name
+                    name = f"_{body_ref.target}_{inner.target}".replace(".", "_")
+                    if not hasattr(module, name):
+                        value = getattr(body, str(inner.target))
+                        if isinstance(value, torch.Tensor):
+                            module.register_buffer(name, value)
+                        else:
+                            setattr(module, name, value)
+                    env[inner] = graph.get_attr(name)
+                    env[inner].meta.update(inner.meta)
+                elif inner.op == "output":
+                    outs = inner.args[0]
+                else:
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
+        results = fx.node.map_arg(outs, env.__getitem__)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
+            if not body_ref.users:
+                graph.erase_node(body_ref)
+    graph.lint()
+    module.recompile()
+
+
 @contextlib.contextmanager
 def _no_cache_object(model: torch.nn.Module, signature: inspect.Signature, kwargs: dict[str, Any]) -> Iterator[None]:
     """``config.use_cache = False`` while exporting a Hugging Face model whose forward takes ``use_cache`` only
@@ -97,7 +143,14 @@ def _no_cache_object(model: torch.nn.Module, signature: inspect.Signature, kwarg
     The flags are put back afterwards (the cached graph never reads them)."""
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
     config = getattr(model, "config", None)
-    configs = [config, config.get_text_config() if hasattr(config, "get_text_config") else None]
+    if "use_cache" in kwargs or not takes_kwargs or config is None:
+        yield
+        return
+    try:  # (``get_text_config`` raises for a config with several candidate sub-configs)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    except Exception:  # noqa: BLE001 - no single text config: the top-level one only
+        text = None
+    configs = [config, text]
     configs = [c for i, c in enumerate(configs) if c is not None and hasattr(c, "use_cache")
                and all(c is not d for d in configs[:i])]
     if "use_cache" in kwargs or not takes_kwargs or not configs:
@@ -147,6 +200,7 @@ def capture_lm(model: nn.Module, example_len: int) -> tuple[fx.GraphModule, fx.N
                             "state between calls cannot be cached by attnopt")
     module = ep.module()
     graph = module.graph
+    _inline_grad_mode_blocks(module)
     written = written_state(graph)
     if written:  # (``buffers_to_mutate`` can be empty while the graph writes a buffer in place: torch 2.13)
         raise PositionError(f"{type(model).__name__}.forward writes its buffers or parameters ({', '.join(written)}); "
@@ -409,7 +463,10 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
 def config_max(model: nn.Module) -> int | None:
     config = getattr(model, "config", getattr(model, "cfg", None))
     # a composite config (Gemma 3's) holds the text model's sizes in its text config
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    try:  # (``get_text_config`` raises for a config with several candidate sub-configs)
+        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    except Exception:  # noqa: BLE001 - no single text config: the top-level one only
+        text = None
     for c in (config, text):
         for name in _CONFIG_MAX:
             value = getattr(c, name, None) if c is not None else None
