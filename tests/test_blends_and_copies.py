@@ -255,6 +255,38 @@ def test_rows_zeroed_whole_next_to_a_bias_keep_every_gradient(sign: float) -> No
                            for r in records), str(attnopt.explain(opt))
 
 
+@pytest.mark.parametrize("variant, twice", [("math", False), ("sdpa", True), ("sdpa", False)],
+                         ids=["math", "sdpa-double-backward", "sdpa"])
+def test_rows_zeroed_whole_under_a_bool_mask_keep_v_s_gradient(variant: str, twice: bool) -> None:
+    """``softmax(s.masked_fill(m, -inf)).masked_fill(m, 0) @ v`` (a bool mask) with a row of ``m`` all True: as
+    written v's gradient is finite; a candidate that computed that row's NaN probabilities gave NaN for all of v
+    (``NaN^T @ 0``), in the reference computation and under double backward."""
+    def body(self, q, k, v, m):
+        s = (q @ k.transpose(-2, -1) * 0.5).masked_fill(m, float("-inf"))
+        return s.softmax(-1).masked_fill(m, 0.0) @ v
+
+    model = Fn(body)
+    opt = attnopt.optimize(model, variant=variant)
+    q, k, v = (t.double() for t in _qkv(2, 5))
+    m = torch.rand(2, 1, 5, 5) < 0.3
+    m[..., 2, :] = True  # query 2 sees no key, in every batch entry
+    a = [x.clone().requires_grad_(x.is_floating_point()) for x in (q, k, v)]
+    e = [x.clone().requires_grad_(x.is_floating_point()) for x in (q, k, v)]
+    out, ref = opt(*a, m), model(*e, m)
+    torch.testing.assert_close(out, ref)
+    cot = torch.randn_like(ref)
+    got = torch.autograd.grad((out * cot).sum(), a, create_graph=twice)
+    want = torch.autograd.grad((ref * cot).sum(), e, create_graph=twice)
+    assert not any(w.isnan().any() for w in want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    if twice:  # second order: the gradient of v's gradient with respect to q
+        torch.testing.assert_close(torch.autograd.grad(got[2].sum(), a[0], allow_unused=True)[0],
+                                   torch.autograd.grad(want[2].sum(), e[0], allow_unused=True)[0])
+    (record,) = attnopt.explain(opt).records
+    assert record.decision == "rewritten" and "bool mask" in record.spec.describe(), record.reason
+
+
 def test_probabilities_zeroed_elsewhere_are_left_alone() -> None:
     def other_mask(self, q, k, v, pad, drop):
         s = (q @ k.transpose(-2, -1)).masked_fill(pad, float("-inf"))

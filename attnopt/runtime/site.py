@@ -128,6 +128,12 @@ class AttentionSite(DispatchingSite):
         # dropout with p = 0 draws nothing (F.dropout is then the identity, exactly)
         dropout_active = p > 0 and (spec.dropout_mode == "on" or (spec.dropout_mode == "module" and self.training))
         attn_mask = None if use_causal else mask
+        zero = self._zero_probs
+        if zero is not None and attn_mask is not None and attn_mask.dtype == torch.bool:
+            # rows the zeroing covers whole are zero as written, and take no gradient (the bool mask has none):
+            # the candidate sees every key there, so it never computes the NaN probabilities of a row without
+            # keys (whose product with a zero output gradient is still NaN for v)
+            attn_mask = mask = attn_mask | zero.all(-1, keepdim=True)
         kwargs = dict(attn_mask=attn_mask, is_causal=use_causal, scale=scale,
                       dropout_p=p if dropout_active else 0.0, enable_gqa=spec.gqa)
         if use_causal and spec.window is not None:
