@@ -153,7 +153,7 @@ def _no_cache_object(model: torch.nn.Module, signature: inspect.Signature, kwarg
     configs = [config, text]
     configs = [c for i, c in enumerate(configs) if c is not None and hasattr(c, "use_cache")
                and all(c is not d for d in configs[:i])]
-    if "use_cache" in kwargs or not takes_kwargs or not configs:
+    if not configs:
         yield
         return
     before = [c.use_cache for c in configs]
