@@ -420,12 +420,33 @@ def test_a_graph_without_bodies_has_none() -> None:
 # ----------------------------------------------------------------------------- a real model
 
 
-def test_hugging_face_llama_with_gradient_checkpointing_is_rewritten(sdpa_calls: list[int]) -> None:
+def _hf_model(name: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
+    if name == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                         attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, attn_implementation="eager")
+        return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       attention_dropout=0.0, attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _sets_state_under_checkpoint(model: nn.Module) -> bool:
+    """The attention modules' ``forward`` is the ``kernels`` package's hub-kernel wrapper (Hugging Face's
+    ``use_kernelized_func``, installed with transformers >= 5.25): it sets a context variable on every call,
+    a side effect dynamo refuses inside activation checkpointing, so the checkpointed layer runs as written."""
+    return any("/kernels/" in getattr(getattr(type(m).forward, "__code__", None), "co_filename", "")
+               for m in model.modules() if type(m).__name__.endswith("Attention"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_model_with_gradient_checkpointing(name: str, sdpa_calls: list[int]) -> None:
+    """Rewritten and still checkpointed, with exact gradients; where the installed transformers wraps the
+    attention in a hub-kernel wrapper (Llama with transformers >= 5.25), dynamo cannot trace the checkpointed
+    layer and it runs as written: exact, and no site claims a rewrite."""
+    model = _hf_model(name)
+    layers = model.config.num_hidden_layers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -435,14 +456,21 @@ def test_hugging_face_llama_with_gradient_checkpointing_is_rewritten(sdpa_calls:
     results = []
     for fn, m in ((opt, opt._orig_mod), (model, model)):
         m.zero_grad(set_to_none=True)
+        before = len(sdpa_calls)
         loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
         results.append([loss.detach(), *(p.grad for p in m.parameters())])
+        if fn is opt:
+            rewritten_calls = len(sdpa_calls) - before
     assert_same(*results, atol=1e-5, rtol=1e-4)
     records = body_records(opt)
-    assert len(records) == config.num_hidden_layers and all(r.rewritten for r in records)
+    if _sets_state_under_checkpoint(model):
+        assert name == "llama"  # GPT-2's attention has no hub-kernel wrapper
+        assert not any(r.rewritten for r in attnopt.explain(opt).records) and rewritten_calls == 0
+        return
+    assert len(records) == layers and all(r.rewritten for r in records)
     assert all("still checkpointed" in r.reason for r in records)
-    assert len(sdpa_calls) >= 2 * config.num_hidden_layers
+    assert rewritten_calls >= 2 * layers  # the forward and the checkpoint's recomputation (and a first check)
 
 
 @pytest.mark.parametrize("variant", ["sdpa", "auto"])
