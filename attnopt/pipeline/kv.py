@@ -24,6 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..env import AUTO, parse_bytes
 from ..kernels.registry import get_candidate
 from ..passes.canon import meta_value
+from ..passes.fast_linear import use_fast_linear
 from ..passes.find_sites import Match
 from ..passes.kv_capture import (
     NoMaxLen,
@@ -154,6 +155,10 @@ def build_cached(model: nn.Module, max_len: int | None = None, *, variant: str =
                          f"max_len <= {lm.longest_that_fits(budget)} or a larger memory_budget")
     lm.run = local_attrs(gm)  # 11. the same graphs with every tensor they read one attribute lookup away
     lm.rows_module = None if rows is None else local_attrs(rows)
+    for run, part in ((lm.run, ""), (lm.rows_module, " (ragged rows)")):  # ... whose linear layers take the
+        group = None if run is None else use_fast_linear(run, f"{type(model).__name__}{part}")  # faster kernel
+        if group is not None:
+            lm.linear_groups.append(group)
     compare_small_sizes(lm, model, gm.meta.get("excluded_sizes", []))  # 12. batch 1, length 1, excluded sizes
     lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 13. pin what the capture read (after 12's forwards)
     if compile:
