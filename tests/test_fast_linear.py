@@ -17,7 +17,7 @@ from attnopt.generation import cached, generate, generate_plain
 from attnopt.kernels import linear as fast
 from attnopt.models import GPTConfig, NanoGPT
 
-needs_onednn = pytest.mark.skipif(fast._onednn() is None, reason="this torch build has no oneDNN")
+needs_onednn = pytest.mark.skipif(fast.onednn_linear() is None, reason="this torch build has no oneDNN")
 
 
 def timer(onednn: float, default: float):
@@ -55,7 +55,7 @@ def test_onednn_when_faster_and_same_values(monkeypatch, dtype, rows, bias) -> N
     monkeypatch.setattr(fast, "time_passes", timer(onednn=1.0, default=2.0))
     pairs, g = group((48, 32), (32, 48), bias=bias, dtype=dtype)
     used = []
-    real = fast._onednn()
+    real = fast.onednn_linear()
     monkeypatch.setattr(fast, "_onednn_op", lambda *a: used.append(1) or real(*a))
     for w, b in pairs:
         x = torch.randn(*rows, w.size(1), dtype=dtype)
@@ -80,7 +80,7 @@ def test_f_linear_unless_clearly_faster(monkeypatch, onednn, verdict) -> None:
         assert torch.equal(fast.linear(x, w, b, g), F.linear(x, w, b))
     (d,) = fast.decisions(g)
     assert d["kernel"] == "F.linear"
-    if fast._onednn() is not None:
+    if fast.onednn_linear() is not None:
         assert verdict in d["reason"]
 
 
@@ -89,7 +89,7 @@ def test_a_wrong_kernel_is_never_used(monkeypatch) -> None:
     """oneDNN's results are checked against a float64 reference before any timing: one wrong value refuses it."""
     fake = timer(onednn=0.1, default=1.0)
     monkeypatch.setattr(fast, "time_passes", fake)
-    real = fast._onednn()
+    real = fast.onednn_linear()
 
     def off_by_a_little(x, w, b, *rest):
         y = real(x, w, b, *rest)
@@ -155,7 +155,7 @@ def test_each_row_bucket_and_thread_count_decides_once(monkeypatch) -> None:
         for rows in (1, 1, 2, 3, 4, 7, 1):
             fast.linear(torch.randn(rows, 4), w, b, g)
     assert sorted(d["rows"] for d in fast.decisions(g)) == ["1-1", "2-3", "4-7"]
-    if fast._onednn() is not None:
+    if fast.onednn_linear() is not None:
         assert len(fake.calls) == 3
 
 
@@ -189,5 +189,20 @@ def test_cached_model_routes_its_linear_layers_and_keeps_the_tokens(monkeypatch,
     for row, p in zip(ragged, prompts):
         assert torch.equal(row, generate_plain(model, p[None], 4)[0])
     chosen = {d["kernel"] for d in fast.decisions()}
-    assert chosen == ({"onednn"} if faster == "onednn" and fast._onednn() is not None else {"F.linear"})
+    assert chosen == ({"onednn"} if faster == "onednn" and fast.onednn_linear() is not None else {"F.linear"})
     assert "linear layers" in lm.describe()
+
+
+def test_undecided_calls_take_f_linear_and_decide_nothing(monkeypatch) -> None:
+    """The capture's probes run inside ``undecided()``: no timing at sizes a generation rarely meets."""
+    fake = timer(onednn=1.0, default=2.0)
+    monkeypatch.setattr(fast, "time_passes", fake)
+    pairs, g = group((8, 4))
+    w, b = pairs[0]
+    x = torch.randn(300, 4)
+    with torch.no_grad(), fast.undecided():
+        assert torch.equal(fast.linear(x, w, b, g), F.linear(x, w, b))
+    assert fast.decisions(g) == [] and not fake.calls
+    with torch.no_grad():
+        fast.linear(x, w, b, g)
+    assert len(fast.decisions(g)) == 1

@@ -33,27 +33,33 @@ oneDNN missing or raising. :func:`decisions` lists every decision with its measu
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["clear", "decisions", "linear", "register"]
+__all__ = ["clear", "decisions", "linear", "onednn_linear", "register", "undecided"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 #: Alternating rounds of the two passes (95% confidence needs 6 pairs at least).
 _ROUNDS = 7
 #: Rows of the inputs that check oneDNN's results (each weight once; the timing uses the call's row count).
 _CHECK_ROWS = 8
+#: Above this many rows a product is bound by compute, not by reading the weights: the timing passes take one
+#: weight of each shape instead of every weight of the group.
+_STREAMING_ROWS = 32
 _MISSING = object()
+#: Inside :func:`undecided`: calls take F.linear and decide nothing (a probe's calls at sizes a model rarely runs).
+_UNDECIDED = [0]
 _onednn_op: Any = _MISSING
 
 
-def _onednn() -> Any:
+def onednn_linear() -> Any:
     """``torch.ops.mkldnn._linear_pointwise``, or None where this build has no oneDNN (looked up once, lazily:
     importing attnopt touches no op namespace)."""
     global _onednn_op
@@ -97,6 +103,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int)
     key = ((x.numel() // k).bit_length() if k else 0, torch.get_num_threads(), x.dtype, x.device.type)
     use = g.choice.get(key)
     if use is None:
+        if _UNDECIDED[0]:
+            return F.linear(x, w, b)
         use = _decide(g, key, x)
     if use:
         return _onednn_op(x, w, b, "none", [], "")
@@ -104,7 +112,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int)
 
 
 def _unsupported(x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> str | None:
-    if _onednn() is None:
+    if onednn_linear() is None:
         return "this build of torch has no oneDNN"
     if x.device.type != "cpu":
         return f"on {x.device.type}, not the CPU"
@@ -155,6 +163,8 @@ def _measure(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int, d
         if not _within_rounding(op(probe, w, b, "none", [], ""), probe, w, b):
             return False, f"oneDNN's result for a weight {tuple(w.shape)} is outside the rounding bound"
     inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {w.size(1) for w, _ in pairs}}
+    if rows > _STREAMING_ROWS:  # compute-bound: one weight of each shape speaks for the others
+        pairs = list({(tuple(w.shape), b is None): (w, b) for w, b in pairs}.values())
 
     def onednn() -> None:
         for w, b in pairs:
@@ -192,6 +202,17 @@ def _decide(g: _Group, key: tuple[Any, ...], x: torch.Tensor) -> bool:
     why.update(weights=len(pairs), kernel="onednn" if use else "F.linear", reason=reason)
     g.choice[key], g.why[key] = use, why
     return use
+
+
+@contextlib.contextmanager
+def undecided() -> Iterator[None]:
+    """Calls of keys not decided yet take ``F.linear`` and decide nothing, while inside (the cached LM's capture
+    probes, which run sizes a generation rarely meets)."""
+    _UNDECIDED[0] += 1
+    try:
+        yield
+    finally:
+        _UNDECIDED[0] -= 1
 
 
 def decisions(group: int | None = None) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..env import AUTO, parse_bytes
+from ..kernels.linear import undecided
 from ..kernels.registry import get_candidate
 from ..passes.canon import meta_value
 from ..passes.fast_linear import use_fast_linear
@@ -196,7 +197,7 @@ def compare_small_sizes(lm: CachedLM, model: nn.Module, excluded: list[tuple[int
             cases += [(1, n, 0), (2, n, 0)]  # a branch may read the batch too (``T == 7 and B > 1``)
         elif dim == 0 and n > 2:
             cases += [(n, 1, 0), (n, 2, 1)]  # ... or the length (``B == 3 and T > 1``)
-    with torch.no_grad(), contextlib.ExitStack() as stack:
+    with torch.no_grad(), contextlib.ExitStack() as stack, undecided():  # no kernel timing at probe sizes
         for site in lm.sites:  # the reference computation: the probe compares paths, not kernels (tunes nothing)
             stack.enter_context(site.running("math"))
         def written(x: torch.Tensor) -> torch.Tensor:
