@@ -54,6 +54,8 @@ from tabulate import tabulate
 
 import attnopt
 from attnopt.generation import cached, generate, generate_plain, left_pad
+from attnopt.kernels.linear import decisions as linear_decisions
+from attnopt.kernels.linear import onednn_linear
 from attnopt.models import GPTConfig, NanoGPT
 from attnopt.selection.measure import time_alternating
 
@@ -102,19 +104,23 @@ def cached_step_times(lm: attnopt.generation.CachedLM, prompt: torch.Tensor, new
     return times
 
 
-def weight_read_s(model: torch.nn.Module, repeats: int) -> float:
-    """Seconds of one pass that reads every weight matrix a decode step multiplies by once (a one-row
-    ``F.linear`` per matrix, each tensor once even when tied): the floor of a step that is bound by memory."""
+def weight_read_s(model: torch.nn.Module, repeats: int) -> dict[str, float]:
+    """Seconds of one pass that reads every weight matrix a decode step multiplies by once, each tensor once even
+    when tied: with a one-row ``F.linear`` per matrix, with oneDNN's inner product (the other kernel the cached
+    step may take, ``attnopt.kernels.linear``), and as a plain ``sum`` of each matrix (the memory's own speed,
+    no product). The floor of a step bound by memory is the faster GEMV pass (``floor``)."""
     mats = list({id(m.weight): m.weight for m in model.modules()
                  if isinstance(m, torch.nn.Linear)}.values())
     rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in mats}
-
-    def gemv() -> None:
-        for w in mats:
-            torch.nn.functional.linear(rows[w.shape[1]], w)
-
+    fns = {"F.linear": lambda: [torch.nn.functional.linear(rows[w.shape[1]], w) for w in mats],
+           "sum": lambda: [w.sum() for w in mats]}
+    op = onednn_linear()
+    if op is not None:
+        fns["onednn"] = lambda: [op(rows[w.shape[1]], w, None, "none", [], "") for w in mats]
     with torch.no_grad():
-        return time_alternating({"gemv": gemv}, (), repeats=repeats, warmup=3)["gemv"]
+        times = time_alternating(fns, (), repeats=repeats, warmup=3)
+    times["floor"] = min(t for name, t in times.items() if name != "sum")
+    return times
 
 
 def single(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,10 +170,12 @@ def single(args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():  # the model's own forward on one token, no history: the per-op floor of any step
         one_token = time_alternating({"one": lambda: model(one)}, (), repeats=max(20, 4 * args.rounds),
                                      warmup=3)["one"]
-    return {"weight_read_ms": 1e3 * weights, "one_token_ms": 1e3 * one_token, "same_tokens": same,
+    return {"weight_read_ms": 1e3 * weights["floor"], "weight_passes_ms": {k: 1e3 * v for k, v in weights.items()},
+            "one_token_ms": 1e3 * one_token, "same_tokens": same,
             "first_s": first_s, "capture_s": capture_s,
             "compile_s": compile_s, "medians": medians, "steps": rows, "bytes_per_token": lm.bytes_per_token,
-            "cache_bytes": lm.cache_bytes, "max_len": lm.max_len, "sites": len(lm.sites)}
+            "cache_bytes": lm.cache_bytes, "max_len": lm.max_len, "sites": len(lm.sites),
+            "linear": [d for g in lm.linear_groups for d in linear_decisions(g)]}
 
 
 def hf_gpt2(args: argparse.Namespace) -> Any:
@@ -262,8 +270,11 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
               f"{last / first:.2f}x.")
     if steps and res.get("weight_read_ms"):
         mid = statistics.median(r["cached_ms"] for r in res["steps"])
-        out.append(f"Reading every weight matrix once (a one-row `F.linear` per matrix, "
-                   f"{res['weight_read_ms']:.2f} ms) is the floor of a decode step bound by memory: the cached "
+        passes = res.get("weight_passes_ms", {})
+        how = ", ".join(f"{k} {v:.2f} ms" for k, v in passes.items() if k != "floor")
+        out.append(f"Reading every weight matrix once (one row times each matrix, by the faster of `F.linear` and "
+                   f"oneDNN: {res['weight_read_ms']:.2f} ms; passes: {how}) is the floor of a decode step bound by "
+                   f"memory (`sum` reads the weights without a product: the memory's own speed): the cached "
                    f"step (median over the positions above, {mid:.2f} ms) is "
                    f"**{mid / res['weight_read_ms']:.2f}x** it (target <= 1.5x)" + (
                        "; with `compile=True` the step is **{:.2f}x** it.".format(
@@ -273,6 +284,12 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
                        f"{res['one_token_ms']:.2f} ms ({res['one_token_ms'] / res['weight_read_ms']:.2f}x the weight "
                        f"read): the cached step is {mid / res['one_token_ms']:.2f}x that."
                        if res.get("one_token_ms") else ""))
+    if res.get("linear"):
+        out.append("#### Linear layers of the cached model (`attnopt.kernels.linear`: one pass over the weights timed "
+                   "with each kernel)\n\n" + tabulate(
+                       [[d["group"], d["rows"], d["threads"], d["kernel"], d.get("onednn / F.linear", "-"), d["reason"]]
+                        for d in res["linear"]],
+                       headers=["graph", "rows", "threads", "kernel", "onednn / F.linear", "why"], tablefmt="github"))
     out.append("#### Cache memory\n\n" + tabulate(mem, headers=["", ""], tablefmt="github"))
     return out
 

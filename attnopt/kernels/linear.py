@@ -67,7 +67,7 @@ def onednn_linear() -> Any:
         op = None
         if torch.backends.mkldnn.is_available():
             try:
-                op = torch.ops.mkldnn._linear_pointwise
+                op = torch.ops.mkldnn._linear_pointwise.default
             except (AttributeError, RuntimeError):
                 op = None
         _onednn_op = op
@@ -81,6 +81,7 @@ class _Group:
     name: str
     pairs: list[tuple[weakref.ref, weakref.ref | None]]
     choice: dict[tuple[Any, ...], bool] = field(default_factory=dict)
+    by_shape: dict[tuple[Any, ...], bool] = field(default_factory=dict)  # the same, by the input's exact shape
     why: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
 
 
@@ -99,13 +100,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int)
                                                   or (b is not None and b.requires_grad))):
         return F.linear(x, w, b)
     g = _GROUPS[group]
-    k = x.shape[-1] if x.dim() else 0
-    key = ((x.numel() // k).bit_length() if k else 0, torch.get_num_threads(), x.dtype, x.device.type)
-    use = g.choice.get(key)
+    shape_key = (x.shape, torch.get_num_threads(), x.dtype, x.is_cpu)  # one lookup for a shape seen before
+    use = g.by_shape.get(shape_key)
     if use is None:
-        if _UNDECIDED[0]:
-            return F.linear(x, w, b)
-        use = _decide(g, key, x)
+        k = x.shape[-1] if x.dim() else 0
+        key = ((x.numel() // k).bit_length() if k else 0, shape_key[1], x.dtype, x.device.type)
+        use = g.choice.get(key)
+        if use is None:
+            if _UNDECIDED[0]:
+                return F.linear(x, w, b)
+            use = _decide(g, key, x)
+        g.by_shape[shape_key] = use
     if use:
         return _onednn_op(x, w, b, "none", [], "")
     return F.linear(x, w, b)
@@ -226,4 +231,5 @@ def clear() -> None:
     """Forget every decision (the next call of each key measures again); groups stay registered."""
     for g in _GROUPS:
         g.choice.clear()
+        g.by_shape.clear()
         g.why.clear()
