@@ -54,9 +54,9 @@ from tabulate import tabulate
 
 import attnopt
 from attnopt.generation import cached, generate, generate_plain, left_pad
-from attnopt.kernels.linear import decisions as linear_decisions
-from attnopt.kernels.linear import onednn_linear
 from attnopt.models import GPTConfig, NanoGPT
+from attnopt.runtime.linear import decisions as linear_decisions
+from attnopt.runtime.linear import onednn_linear
 from attnopt.selection.measure import time_alternating
 
 VOCAB = 65
@@ -107,7 +107,7 @@ def cached_step_times(lm: attnopt.generation.CachedLM, prompt: torch.Tensor, new
 def weight_read_s(model: torch.nn.Module, repeats: int) -> dict[str, float]:
     """Seconds of one pass that reads every weight matrix a decode step multiplies by once, each tensor once even
     when tied: with a one-row ``F.linear`` per matrix, with oneDNN's inner product (the other kernel the cached
-    step may take, ``attnopt.kernels.linear``), and as a plain ``sum`` of each matrix (the memory's own speed,
+    step may take, ``attnopt.runtime.linear``), and as a plain ``sum`` of each matrix (the memory's own speed,
     no product). The floor of a step bound by memory is the faster GEMV pass (``floor``)."""
     mats = list({id(m.weight): m.weight for m in model.modules()
                  if isinstance(m, torch.nn.Linear)}.values())
@@ -285,7 +285,7 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
                        f"read): the cached step is {mid / res['one_token_ms']:.2f}x that."
                        if res.get("one_token_ms") else ""))
     if res.get("linear"):
-        out.append("#### Linear layers of the cached model (`attnopt.kernels.linear`: one pass over the weights timed "
+        out.append("#### Linear layers of the cached model (`attnopt.runtime.linear`: one pass over the weights timed "
                    "with each kernel)\n\n" + tabulate(
                        [[d["group"], d["rows"], d["threads"], d["kernel"], d.get("onednn / F.linear", "-"), d["reason"]]
                         for d in res["linear"]],

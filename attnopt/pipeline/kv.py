@@ -22,7 +22,6 @@ import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..env import AUTO, parse_bytes
-from ..kernels.linear import undecided
 from ..kernels.registry import get_candidate
 from ..passes.canon import meta_value
 from ..passes.fast_linear import use_fast_linear
@@ -44,6 +43,7 @@ from ..passes.positions import PositionError, analyse_positions, index_positions
 from ..passes.rewrite_sdpa import rewrite_sites, zero_hidden_rows
 from ..runtime.cached_lm import CachedLM, watch_model
 from ..runtime.kv_cache import KVCacheAttention, MaskCheck
+from ..runtime.linear import undecided
 from ..runtime.site import AttentionSite
 from ..selection.selector import Selector
 from ..spec import LEFT_ALONE
@@ -158,7 +158,7 @@ def build_cached(model: nn.Module, max_len: int | None = None, *, variant: str =
     lm.rows_module = None if rows is None else local_attrs(rows)
     for run, part in ((lm.run, ""), (lm.rows_module, " (ragged rows)")):  # ... whose linear layers take the
         group = None if run is None else use_fast_linear(run, f"{type(model).__name__}{part}")  # faster kernel
-        if group is not None:
+        if group is not None and group not in lm.linear_groups:  # the ragged graph shares the plain one's
             lm.linear_groups.append(group)
     compare_small_sizes(lm, model, gm.meta.get("excluded_sizes", []))  # 12. batch 1, length 1, excluded sizes
     lm.watch = watch_model(model, gm, proofs, lm.mask_checks)  # 13. pin what the capture read (after 12's forwards)

@@ -28,9 +28,9 @@ from tabulate import tabulate
 
 from ..env import parse_bytes
 from ..kernels.bands import is_band
-from ..kernels.linear import decisions as linear_decisions
 from ..spec import PositionError
 from .kv_cache import KVCacheAttention, MaskCheck, Rows
+from .linear import decisions as linear_decisions
 
 
 class ModelChangedError(RuntimeError):
@@ -939,7 +939,7 @@ class CachedLM:
         self.tokens: torch.Tensor | None = None  # (batch, max_len): the ids of positions 0 .. length - 1 per row
         self.stale = False  # weights the graph reads were written since the caches were filled
         self.epoch = 0  # counts resets (every prefill starts one): who filled the caches last
-        self.linear_groups: list[int] = []  # attnopt.kernels.linear groups of the eager graphs' linear layers
+        self.linear_groups: list[int] = []  # attnopt.runtime.linear groups of the eager graphs' linear layers
 
     @property
     def bytes_per_token(self) -> int | None:
@@ -1188,7 +1188,7 @@ class CachedLM:
         chosen = [d for g in self.linear_groups for d in linear_decisions(g)]
         if chosen:
             lines += ["", "linear layers (F.linear or oneDNN, by timing one pass over the weights; see "
-                      "attnopt.kernels.linear):",
+                      "attnopt.runtime.linear):",
                       tabulate([[d["group"], d["rows"], d["dtype"], d["threads"], d["kernel"],
                                  d.get("onednn / F.linear", "-"), d["reason"]] for d in chosen],
                                headers=["graph", "rows", "dtype", "threads", "kernel", "onednn / F.linear", "why"])]

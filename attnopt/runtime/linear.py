@@ -1,4 +1,4 @@
-"""Linear layers of the cached LM: ``F.linear`` or oneDNN's inner product, whichever this machine runs faster.
+"""Linear layers of the cached LM: ``F.linear`` (or ``addmm``) or oneDNN's inner product, whichever runs faster.
 
 A decode step multiplies every weight matrix of the model by one row per sequence: it is a pass over the
 weights, and the kernel that reads them sets its speed. ``F.linear`` on the CPU calls the BLAS torch was
@@ -10,20 +10,25 @@ lowering calls) takes 1.6 and 1.1 ms, and a plain sum over the same weights 0.8 
 Which is faster depends on where the weights come from: timed alone, one matrix stays in the cache and MKL's
 GEMV wins on it; in a step, the model's weights stream from memory and oneDNN wins. So the decision is taken
 for a *group*, the weights of one graph's linear layers (:func:`register`, by
-:func:`attnopt.passes.fast_linear.use_fast_linear`, whose nodes then call :func:`linear` with the group's
-number), by timing what a step does: one pass over every weight of the group. The first call of each key
-(rows as a power of two, threads, input dtype) decides, with inputs of that call's row count:
+:func:`attnopt.passes.fast_linear.use_fast_linear`, whose nodes then call :func:`linear`, or :func:`addmm` for
+a weight stored ``(in, out)`` as GPT-2's ``Conv1D`` keeps it, with the group's number), by timing what a step
+does: one pass over every weight of the group. The first call of each key
+(rows as a power of two, threads, input dtype) decides, with inputs of that call's row count (a graph whose
+layers are the very tensors of a live group, a cached model's ragged-batch graph, shares its decisions):
 
 1. oneDNN's result for every weight of the group must lie within the rounding bound of a dot product of the
    weight's length against a float64 reference (``|y - ref| <= (K + 2) * u * (|x| @ |w|^T + |b|) + u_out *
    |ref|``, with ``u`` float32's unit roundoff, in which both accumulate, and ``u_out`` the result's): any
    summation order meets it, a wrong kernel does not;
 2. both passes are timed in alternating rounds, and oneDNN is kept only when it is faster with 95% confidence
-   (:func:`attnopt.selection.stats.compare`, a 5% tie band): where the two are alike, ``F.linear`` stays.
+   (:func:`attnopt.selection.stats.compare`, a 5% tie band): where the two are alike, the op as written stays.
+   Above 32 rows a product is bound by compute, and one weight of each shape is timed for the rest.
 
-Anything else runs ``F.linear``: gradients needed (oneDNN's op has no autograd formula), a device other than
-the CPU, dtypes other than float32 and bfloat16, mixed dtypes, empty operands, a weight of the group freed, or
-oneDNN missing or raising. :func:`decisions` lists every decision with its measured ratio and reason::
+Anything else runs the op as written (``F.linear``, ``torch.addmm``), checked at every call: gradients needed
+(oneDNN's op has no autograd formula), autocast (which casts ``F.linear``'s operands and not oneDNN's), a bias
+that is not contiguous (oneDNN reads it as if it were), a device other than the CPU; and at the decision:
+dtypes other than float32 and bfloat16, mixed dtypes, empty operands, a weight of the group freed, or oneDNN
+missing or raising. :func:`decisions` lists every decision with its measured ratio and reason::
 
     >>> g = register([(w1, b1), (w2, None)])
     >>> y = linear(x, w1, b1, g)     # F.linear(x, w1, b1) within float rounding, by the faster kernel
@@ -43,13 +48,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["clear", "decisions", "linear", "onednn_linear", "register", "undecided"]
+__all__ = ["addmm", "clear", "decisions", "linear", "onednn_linear", "register", "undecided"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 #: Alternating rounds of the two passes (95% confidence needs 6 pairs at least).
 _ROUNDS = 7
 #: Rows of the inputs that check oneDNN's results (each weight once; the timing uses the call's row count).
 _CHECK_ROWS = 8
+#: Output features checked at a time (float64 copies of at most this many rows of a weight).
+_CHECK_OUTPUTS = 1024
 #: Above this many rows a product is bound by compute, not by reading the weights: the timing passes take one
 #: weight of each shape instead of every weight of the group.
 _STREAMING_ROWS = 32
@@ -74,12 +81,22 @@ def onednn_linear() -> Any:
     return _onednn_op
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """One linear layer of a group: its weight and bias, held weakly (a cached model must not keep its model's
+    tensors alive), and whether the weight is stored ``(in, out)`` (``addmm(b, x, w)``, GPT-2's ``Conv1D``)."""
+
+    weight: weakref.ref
+    bias: weakref.ref | None
+    in_out: bool
+
+
 @dataclass
 class _Group:
-    """The weights (and biases) of one graph's linear layers, held weakly, and the decisions taken for them."""
+    """The linear layers of one graph and the decisions taken for them."""
 
     name: str
-    pairs: list[tuple[weakref.ref, weakref.ref | None]]
+    layers: list[_Layer]
     choice: dict[tuple[Any, ...], bool] = field(default_factory=dict)
     by_shape: dict[tuple[Any, ...], bool] = field(default_factory=dict)  # the same, by the input's exact shape
     why: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
@@ -88,17 +105,25 @@ class _Group:
 _GROUPS: list[_Group] = []
 
 
-def register(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], name: str = "") -> int:
-    """A new group of ``(weight, bias)`` pairs (held weakly); returns the number :func:`linear` takes."""
-    _GROUPS.append(_Group(name, [(weakref.ref(w), None if b is None else weakref.ref(b)) for w, b in pairs]))
+def register(layers: list[tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, bool]],
+             name: str = "") -> int:
+    """The group of these ``(weight, bias)`` layers (``(weight, bias, True)`` for a weight stored ``(in, out)``,
+    called through :func:`addmm`), held weakly; returns the number :func:`linear` and :func:`addmm` take. Layers
+    of the very same tensors as a live group's (a cached model's plain and ragged-batch graphs, two cached models
+    of one model) share its group and decisions."""
+    wanted = [(w, b, bool(rest and rest[0])) for w, b, *rest in layers]
+    for i, g in enumerate(_GROUPS):
+        if len(g.layers) == len(wanted) and all(
+                ly.weight() is w and (ly.bias() if ly.bias is not None else None) is b and ly.in_out == t
+                for ly, (w, b, t) in zip(g.layers, wanted)):
+            return i
+    _GROUPS.append(_Group(name, [_Layer(weakref.ref(w), None if b is None else weakref.ref(b), t)
+                                 for w, b, t in wanted]))
     return len(_GROUPS) - 1
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int) -> torch.Tensor:
-    """``F.linear(x, w, b)``, by oneDNN where ``group``'s pass runs faster that way (see the module)."""
-    if x.is_cuda or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                                  or (b is not None and b.requires_grad))):
-        return F.linear(x, w, b)
+def _chosen(x: torch.Tensor, group: int) -> bool:
+    """Whether ``group`` takes oneDNN for an input like ``x`` (deciding now for a new key)."""
     g = _GROUPS[group]
     shape_key = (x.shape, torch.get_num_threads(), x.dtype, x.is_cpu)  # one lookup for a shape seen before
     use = g.by_shape.get(shape_key)
@@ -108,15 +133,47 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int)
         use = g.choice.get(key)
         if use is None:
             if _UNDECIDED[0]:
-                return F.linear(x, w, b)
+                return False
             use = _decide(g, key, x)
         g.by_shape[shape_key] = use
-    if use:
+    return use
+
+
+def _as_written(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Calls oneDNN must not serve, whatever the group chose: gradients needed (no autograd formula), autocast
+    (``aten.linear`` is on its lists, oneDNN's op is not: the layer would compute in another dtype), a bias that
+    is not contiguous (oneDNN reads it as if it were: a ``.data =`` or ``load_state_dict`` of a strided view
+    after the decision), or a CUDA input."""
+    return (x.is_cuda or torch.is_autocast_enabled("cpu") or (b is not None and not b.is_contiguous())
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                             or (b is not None and b.requires_grad))))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``F.linear(x, w, b)``, by oneDNN where ``group``'s pass runs faster that way (see the module)."""
+    if _as_written(x, w, b):
+        return F.linear(x, w, b)
+    if _chosen(x, group):
         return _onednn_op(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 
 
-def _unsupported(x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> str | None:
+def addmm(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """``torch.addmm(b, x, w)`` (``b + x @ w``, ``w`` stored ``(in, out)``), by oneDNN on ``w.t()`` where ``group``'s
+    pass runs faster that way (see the module)."""
+    if _as_written(x, w, b):
+        return torch.addmm(b, x, w)
+    if _chosen(x, group):
+        return _onednn_op(x, w.t(), b, "none", [], "")
+    return torch.addmm(b, x, w)
+
+
+def _as_linear(w: torch.Tensor, in_out: bool) -> torch.Tensor:
+    """The weight as ``F.linear`` takes it, ``(out, in)``: a view."""
+    return w.t() if in_out else w
+
+
+def _unsupported(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor | None, bool]]) -> str | None:
     if onednn_linear() is None:
         return "this build of torch has no oneDNN"
     if x.device.type != "cpu":
@@ -125,22 +182,32 @@ def _unsupported(x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor |
         return f"dtype {x.dtype}: oneDNN's inner product serves float32 and bfloat16"
     if x.dim() < 2 or x.numel() == 0:
         return "a 1-D or empty input"
-    for w, b in pairs:
+    if torch.is_autocast_enabled("cpu"):
+        return "under autocast, which casts F.linear's operands and not oneDNN's"
+    for w, b, _ in layers:
         if w.device != x.device or w.dtype != x.dtype or w.dim() != 2 or w.numel() == 0 or (
-                b is not None and (b.device != x.device or b.dtype != x.dtype or b.dim() != 1)):
+                b is not None and (b.device != x.device or b.dtype != x.dtype or b.dim() != 1
+                                   or not b.is_contiguous())):
             return f"a weight {tuple(w.shape)} {w.dtype} on {w.device} (or its bias) unlike the input"
     return None
 
 
 def _within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """``y`` is ``x @ w^T + b`` within the rounding of any summation order (see the module's step 1)."""
-    xd, wd = x.double(), w.double()
-    ref = F.linear(xd, wd, None if b is None else b.double())
-    size = F.linear(xd.abs(), wd.abs(), None if b is None else b.double().abs())
+    """``y`` is ``x @ w^T + b`` within the rounding of any summation order (see the module's step 1), checked
+    :data:`_CHECK_OUTPUTS` output features at a time (a float64 copy of a whole vocabulary's head would take
+    16 bytes per weight)."""
     acc = torch.finfo(torch.float32).eps / 2  # float32 accumulation for both dtypes (bfloat16 too)
     out = torch.finfo(y.dtype).eps / 2  # the result rounded to its dtype
-    bound = (w.size(1) + 2) * acc * size + out * ref.abs()
-    return bool(((y.double() - ref).abs() <= bound).all())
+    xd = x.double()
+    for start in range(0, w.size(0), _CHECK_OUTPUTS):
+        wd = w[start:start + _CHECK_OUTPUTS].double()
+        bd = None if b is None else b[start:start + _CHECK_OUTPUTS].double()
+        ref = F.linear(xd, wd, bd)
+        size = F.linear(xd.abs(), wd.abs(), None if bd is None else bd.abs())
+        bound = (w.size(1) + 2) * acc * size + out * ref.abs()
+        if not bool(((y[..., start:start + _CHECK_OUTPUTS].double() - ref).abs() <= bound).all()):
+            return False
+    return True
 
 
 def time_passes(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
@@ -157,27 +224,32 @@ def time_passes(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, li
     return times
 
 
-def _measure(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int, dtype: torch.dtype,
+def _measure(layers: list[tuple[torch.Tensor, torch.Tensor | None, bool]], rows: int, dtype: torch.dtype,
              why: dict[str, Any]) -> tuple[bool, str]:
     from ..selection.stats import compare
 
     op = _onednn_op
     gen = torch.Generator().manual_seed(0)
-    for w, b in pairs:
-        probe = torch.randn(min(rows, _CHECK_ROWS), w.size(1), generator=gen).to(dtype)
-        if not _within_rounding(op(probe, w, b, "none", [], ""), probe, w, b):
+    for w, b, in_out in layers:
+        wl = _as_linear(w, in_out)
+        probe = torch.randn(min(rows, _CHECK_ROWS), wl.size(1), generator=gen).to(dtype)
+        if not _within_rounding(op(probe, wl, b, "none", [], ""), probe, wl, b):
             return False, f"oneDNN's result for a weight {tuple(w.shape)} is outside the rounding bound"
-    inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {w.size(1) for w, _ in pairs}}
     if rows > _STREAMING_ROWS:  # compute-bound: one weight of each shape speaks for the others
-        pairs = list({(tuple(w.shape), b is None): (w, b) for w, b in pairs}.values())
+        layers = list({(tuple(w.shape), b is None, t): (w, b, t) for w, b, t in layers}.values())
+    work = [(_as_linear(w, t), w, b, t) for w, b, t in layers]
+    inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {wl.size(1) for wl, *_ in work}}
 
     def onednn() -> None:
-        for w, b in pairs:
-            op(inputs[w.size(1)], w, b, "none", [], "")
+        for wl, _, b, _ in work:
+            op(inputs[wl.size(1)], wl, b, "none", [], "")
 
-    def default() -> None:
-        for w, b in pairs:
-            F.linear(inputs[w.size(1)], w, b)
+    def default() -> None:  # each layer's op as written
+        for wl, w, b, in_out in work:
+            if in_out:
+                torch.addmm(b, inputs[wl.size(1)], w)  # type: ignore[arg-type]
+            else:
+                F.linear(inputs[wl.size(1)], w, b)
 
     times = time_passes({"onednn": onednn, "F.linear": default}, _ROUNDS)
     c = compare(times["onednn"], times["F.linear"], confidence=0.95, tie=0.05)
@@ -191,27 +263,26 @@ def _decide(g: _Group, key: tuple[Any, ...], x: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     why: dict[str, Any] = {"group": g.name, "rows": f"{2 ** (bucket - 1)}-{2 ** bucket - 1}" if bucket else "0",
                            "dtype": str(x.dtype).replace("torch.", ""), "threads": threads}
-    held = [(w(), None if b is None else b()) for w, b in g.pairs]
-    pairs = [(w, b) for w, b in held if w is not None]
+    layers = [(ly.weight(), None if ly.bias is None else ly.bias(), ly.in_out) for ly in g.layers]
     use = False
-    if len(pairs) < len(held) or any(b is None and ref is not None for (_, b), (_, ref) in zip(held, g.pairs)):
+    if any(w is None or (b is None and ly.bias is not None) for (w, b, _), ly in zip(layers, g.layers)):
         reason = "a weight of the group was freed"
     else:
-        reason = _unsupported(x, pairs)  # type: ignore[arg-type]
+        reason = _unsupported(x, layers)  # type: ignore[arg-type]
     if reason is None:
         try:
             with torch.no_grad():
-                use, reason = _measure(pairs, rows, x.dtype, why)  # type: ignore[arg-type]
+                use, reason = _measure(layers, rows, x.dtype, why)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - an upstream kernel that fails is not used, never fatal
             reason = f"oneDNN raised {type(e).__name__}: {e}"
-    why.update(weights=len(pairs), kernel="onednn" if use else "F.linear", reason=reason)
+    why.update(weights=len(layers), kernel="onednn" if use else "as written", reason=reason)
     g.choice[key], g.why[key] = use, why
     return use
 
 
 @contextlib.contextmanager
 def undecided() -> Iterator[None]:
-    """Calls of keys not decided yet take ``F.linear`` and decide nothing, while inside (the cached LM's capture
+    """Calls of keys not decided yet run the op as written and decide nothing, while inside (the cached LM's capture
     probes, which run sizes a generation rarely meets)."""
     _UNDECIDED[0] += 1
     try:
