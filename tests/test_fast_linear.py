@@ -304,3 +304,59 @@ def test_hugging_face_gpt2_conv1d_layers_are_routed_and_keep_the_tokens(monkeypa
         torch.testing.assert_close(lm.prefill(prompt), full, rtol=1e-4, atol=1e-4)
     chosen = {d["kernel"] for d in fast.decisions()}
     assert chosen == ({"onednn"} if faster == "onednn" and fast.onednn_linear() is not None else {"as written"})
+
+
+@needs_onednn
+def test_mkldnn_switched_off_and_a_broadcast_bias_take_the_op_as_written(monkeypatch) -> None:
+    pairs, g = _forced_group(monkeypatch, (16, 8))
+    w, b = pairs[0]
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        fast.linear(x, w, b, g)
+        assert fast.decisions(g)[0]["kernel"] == "onednn"
+        with torch.backends.mkldnn.flags(enabled=False):
+            used = []
+            real = fast._onednn_op
+            monkeypatch.setattr(fast, "_onednn_op", lambda *a: used.append(1) or real(*a))
+            assert torch.equal(fast.linear(x, w, b, g), F.linear(x, w, b)) and not used
+        one = torch.full((1,), 0.5)  # F.linear broadcasts a size-1 bias; oneDNN does not
+        assert torch.equal(fast.linear(x, w, one, g), F.linear(x, w, one))
+
+
+def test_a_group_with_a_freed_bias_is_not_taken_for_a_layer_without_one() -> None:
+    torch.manual_seed(0)
+    w, b = torch.randn(8, 4), torch.randn(8)
+    g = fast.register([(w, b)], "with bias")
+    del b
+    gc.collect()
+    assert fast.register([(w, None)], "without") != g
+
+
+def test_groups_of_freed_tensors_are_dropped() -> None:
+    pairs, g = group((8, 4))
+    with torch.no_grad():
+        fast.linear(torch.randn(1, 4), *pairs[0], g)
+    assert fast.decisions(g)
+    del pairs
+    gc.collect()
+    group((4, 2))  # registering drops the dead group
+    assert g not in fast._GROUPS and fast.decisions(g) == []
+    assert torch.equal(fast.linear(torch.ones(1, 4), torch.ones(2, 4), None, g), torch.full((1, 2), 4.0))
+
+
+@needs_onednn
+def test_onednn_is_checked_once_per_group_for_one_row_and_for_several(monkeypatch) -> None:
+    pairs, g = _forced_group(monkeypatch, (16, 8), (8, 16))
+    checks = []
+    real = fast._within_rounding
+    monkeypatch.setattr(fast, "_within_rounding", lambda *a: checks.append(1) or real(*a))
+    with torch.no_grad():
+        for rows in (1, 1, 5, 40, 300):
+            fast.linear(torch.randn(rows, 8), *pairs[0], g)
+    assert len(fast.decisions(g)) == 4 and len(checks) == 2 * len(pairs)
+
+
+def test_a_compiled_cached_model_routes_nothing() -> None:
+    """``compile=True``: Inductor picks the kernels; no group, nothing in describe()."""
+    lm = cached(_nano(), compile=True)
+    assert lm.linear_groups == [] and "linear layers" not in lm.describe()

@@ -156,8 +156,8 @@ def build_cached(model: nn.Module, max_len: int | None = None, *, variant: str =
                          f"max_len <= {lm.longest_that_fits(budget)} or a larger memory_budget")
     lm.run = local_attrs(gm)  # 11. the same graphs with every tensor they read one attribute lookup away
     lm.rows_module = None if rows is None else local_attrs(rows)
-    for run, part in ((lm.run, ""), (lm.rows_module, " (ragged rows)")):  # ... whose linear layers take the
-        group = None if run is None else use_fast_linear(run, f"{type(model).__name__}{part}")  # faster kernel
+    for run in () if compile else (lm.run, lm.rows_module):  # ... whose linear layers take the faster kernel
+        group = None if run is None else use_fast_linear(run, type(model).__name__)  # (Inductor picks its own)
         if group is not None and group not in lm.linear_groups:  # the ragged graph shares the plain one's
             lm.linear_groups.append(group)
     compare_small_sizes(lm, model, gm.meta.get("excluded_sizes", []))  # 12. batch 1, length 1, excluded sizes

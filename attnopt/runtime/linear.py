@@ -16,13 +16,13 @@ does: one pass over every weight of the group. The first call of each key
 (rows as a power of two, threads, input dtype) decides, with inputs of that call's row count (a graph whose
 layers are the very tensors of a live group, a cached model's ragged-batch graph, shares its decisions):
 
-1. oneDNN's result for every weight of the group must lie within the rounding bound of a dot product of the
-   weight's length against a float64 reference (``|y - ref| <= (K + 2) * u * (|x| @ |w|^T + |b|) + u_out *
-   |ref|``, with ``u`` float32's unit roundoff, in which both accumulate, and ``u_out`` the result's): any
-   summation order meets it, a wrong kernel does not;
+1. oneDNN's result for every weight of the group (checked once per group for one row and once for several)
+   must lie within the rounding bound of a dot product of the weight's length against a float64 reference
+   (``|y - ref| <= (K + 2) * u * (|x| @ |w|^T + |b|) + u_out * |ref|``, with ``u`` float32's unit roundoff, in
+   which both accumulate, and ``u_out`` the result's): any summation order meets it, a wrong kernel does not;
 2. both passes are timed in alternating rounds, and oneDNN is kept only when it is faster with 95% confidence
    (:func:`attnopt.selection.stats.compare`, a 5% tie band): where the two are alike, the op as written stays.
-   Above 32 rows a product is bound by compute, and one weight of each shape is timed for the rest.
+   Above 32 rows a product is bound by compute: one weight of each shape is timed for the rest, at 64 rows.
 
 Anything else runs the op as written (``F.linear``, ``torch.addmm``), checked at every call: gradients needed
 (oneDNN's op has no autograd formula), autocast (which casts ``F.linear``'s operands and not oneDNN's), a bias
@@ -39,6 +39,7 @@ missing or raising. :func:`decisions` lists every decision with its measured rat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -60,6 +61,9 @@ _CHECK_OUTPUTS = 1024
 #: Above this many rows a product is bound by compute, not by reading the weights: the timing passes take one
 #: weight of each shape instead of every weight of the group.
 _STREAMING_ROWS = 32
+#: Rows of the timing passes above :data:`_STREAMING_ROWS` (the ratio of two compute-bound kernels moves little
+#: with more rows; a long prompt's first prefill would otherwise pay 16 passes at its full length).
+_TIMING_ROWS = 64
 _MISSING = object()
 #: Inside :func:`undecided`: calls take F.linear and decide nothing (a probe's calls at sizes a model rarely runs).
 _UNDECIDED = [0]
@@ -100,9 +104,11 @@ class _Group:
     choice: dict[tuple[Any, ...], bool] = field(default_factory=dict)
     by_shape: dict[tuple[Any, ...], bool] = field(default_factory=dict)  # the same, by the input's exact shape
     why: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
+    checked: set[tuple[int, torch.dtype]] = field(default_factory=set)  # oneDNN's results checked: (rows 1|2+, dtype)
 
 
-_GROUPS: list[_Group] = []
+_GROUPS: dict[int, _Group] = {}
+_NEXT = itertools.count()
 
 
 def register(layers: list[tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, bool]],
@@ -110,21 +116,26 @@ def register(layers: list[tuple[torch.Tensor, torch.Tensor | None] | tuple[torch
     """The group of these ``(weight, bias)`` layers (``(weight, bias, True)`` for a weight stored ``(in, out)``,
     called through :func:`addmm`), held weakly; returns the number :func:`linear` and :func:`addmm` take. Layers
     of the very same tensors as a live group's (a cached model's plain and ragged-batch graphs, two cached models
-    of one model) share its group and decisions."""
+    of one model) share its group and decisions. Groups whose tensors were freed are dropped here (a graph holds
+    its tensors, so no live graph calls them)."""
+    for i in [i for i, g in _GROUPS.items() if any(ly.weight() is None for ly in g.layers)]:
+        del _GROUPS[i]
     wanted = [(w, b, bool(rest and rest[0])) for w, b, *rest in layers]
-    for i, g in enumerate(_GROUPS):
+    for i, g in _GROUPS.items():
         if len(g.layers) == len(wanted) and all(
-                ly.weight() is w and (ly.bias() if ly.bias is not None else None) is b and ly.in_out == t
+                ly.weight() is w and ly.in_out == t and (b is None if ly.bias is None else ly.bias() is b is not None)
                 for ly, (w, b, t) in zip(g.layers, wanted)):
             return i
-    _GROUPS.append(_Group(name, [_Layer(weakref.ref(w), None if b is None else weakref.ref(b), t)
-                                 for w, b, t in wanted]))
-    return len(_GROUPS) - 1
+    i = next(_NEXT)
+    _GROUPS[i] = _Group(name, [_Layer(weakref.ref(w), None if b is None else weakref.ref(b), t) for w, b, t in wanted])
+    return i
 
 
 def _chosen(x: torch.Tensor, group: int) -> bool:
     """Whether ``group`` takes oneDNN for an input like ``x`` (deciding now for a new key)."""
-    g = _GROUPS[group]
+    g = _GROUPS.get(group)
+    if g is None:  # dropped with its tensors (no graph of it can be running): nothing to decide for
+        return False
     shape_key = (x.shape, torch.get_num_threads(), x.dtype, x.is_cpu)  # one lookup for a shape seen before
     use = g.by_shape.get(shape_key)
     if use is None:
@@ -139,19 +150,24 @@ def _chosen(x: torch.Tensor, group: int) -> bool:
     return use
 
 
-def _as_written(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+def _as_written(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: int) -> bool:
     """Calls oneDNN must not serve, whatever the group chose: gradients needed (no autograd formula), autocast
     (``aten.linear`` is on its lists, oneDNN's op is not: the layer would compute in another dtype), a bias that
-    is not contiguous (oneDNN reads it as if it were: a ``.data =`` or ``load_state_dict`` of a strided view
-    after the decision), or a CUDA input."""
-    return (x.is_cuda or torch.is_autocast_enabled("cpu") or (b is not None and not b.is_contiguous())
+    is not contiguous or not of the ``out`` features (oneDNN reads it as if it were contiguous, and broadcasts
+    nothing: a ``.data =`` or ``load_state_dict`` after the decision), oneDNN switched off
+    (``torch.backends.mkldnn.flags(enabled=False)``), or a CUDA input."""
+    return (x.is_cuda or torch.is_autocast_enabled("cpu") or not _mkldnn_enabled()
+            or (b is not None and (not b.is_contiguous() or b.shape[0] != out))
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
                                              or (b is not None and b.requires_grad))))
 
 
+_mkldnn_enabled = getattr(torch._C, "_get_mkldnn_enabled", lambda: torch.backends.mkldnn.enabled)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int) -> torch.Tensor:
     """``F.linear(x, w, b)``, by oneDNN where ``group``'s pass runs faster that way (see the module)."""
-    if _as_written(x, w, b):
+    if _as_written(x, w, b, w.shape[0]):
         return F.linear(x, w, b)
     if _chosen(x, group):
         return _onednn_op(x, w, b, "none", [], "")
@@ -161,7 +177,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: int)
 def addmm(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
     """``torch.addmm(b, x, w)`` (``b + x @ w``, ``w`` stored ``(in, out)``), by oneDNN on ``w.t()`` where ``group``'s
     pass runs faster that way (see the module)."""
-    if _as_written(x, w, b):
+    if _as_written(x, w, b, w.shape[-1]):
         return torch.addmm(b, x, w)
     if _chosen(x, group):
         return _onednn_op(x, w.t(), b, "none", [], "")
@@ -184,10 +200,12 @@ def _unsupported(x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor 
         return "a 1-D or empty input"
     if torch.is_autocast_enabled("cpu"):
         return "under autocast, which casts F.linear's operands and not oneDNN's"
-    for w, b, _ in layers:
+    if not _mkldnn_enabled():
+        return "oneDNN is switched off (torch.backends.mkldnn.enabled)"
+    for w, b, in_out in layers:
         if w.device != x.device or w.dtype != x.dtype or w.dim() != 2 or w.numel() == 0 or (
                 b is not None and (b.device != x.device or b.dtype != x.dtype or b.dim() != 1
-                                   or not b.is_contiguous())):
+                                   or not b.is_contiguous() or b.shape[0] != w.shape[1 if in_out else 0])):
             return f"a weight {tuple(w.shape)} {w.dtype} on {w.device} (or its bias) unlike the input"
     return None
 
@@ -225,18 +243,22 @@ def time_passes(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, li
 
 
 def _measure(layers: list[tuple[torch.Tensor, torch.Tensor | None, bool]], rows: int, dtype: torch.dtype,
-             why: dict[str, Any]) -> tuple[bool, str]:
+             why: dict[str, Any], checked: set[tuple[int, torch.dtype]]) -> tuple[bool, str]:
     from ..selection.stats import compare
 
     op = _onednn_op
     gen = torch.Generator().manual_seed(0)
-    for w, b, in_out in layers:
-        wl = _as_linear(w, in_out)
-        probe = torch.randn(min(rows, _CHECK_ROWS), wl.size(1), generator=gen).to(dtype)
-        if not _within_rounding(op(probe, wl, b, "none", [], ""), probe, wl, b):
-            return False, f"oneDNN's result for a weight {tuple(w.shape)} is outside the rounding bound"
-    if rows > _STREAMING_ROWS:  # compute-bound: one weight of each shape speaks for the others
+    probe_rows = min(rows, _CHECK_ROWS)
+    if (min(probe_rows, 2), dtype) not in checked:  # one row (a GEMV) and several: each checked once per group
+        for w, b, in_out in layers:
+            wl = _as_linear(w, in_out)
+            probe = torch.randn(probe_rows, wl.size(1), generator=gen).to(dtype)
+            if not _within_rounding(op(probe, wl, b, "none", [], ""), probe, wl, b):
+                return False, f"oneDNN's result for a weight {tuple(w.shape)} is outside the rounding bound"
+        checked.add((min(probe_rows, 2), dtype))
+    if rows > _STREAMING_ROWS:  # compute-bound: one weight of each shape speaks for the others, at fewer rows
         layers = list({(tuple(w.shape), b is None, t): (w, b, t) for w, b, t in layers}.values())
+        rows = min(rows, _TIMING_ROWS)
     work = [(_as_linear(w, t), w, b, t) for w, b, t in layers]
     inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {wl.size(1) for wl, *_ in work}}
 
@@ -272,7 +294,7 @@ def _decide(g: _Group, key: tuple[Any, ...], x: torch.Tensor) -> bool:
     if reason is None:
         try:
             with torch.no_grad():
-                use, reason = _measure(layers, rows, x.dtype, why)  # type: ignore[arg-type]
+                use, reason = _measure(layers, rows, x.dtype, why, g.checked)  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - an upstream kernel that fails is not used, never fatal
             reason = f"oneDNN raised {type(e).__name__}: {e}"
     why.update(weights=len(layers), kernel="onednn" if use else "as written", reason=reason)
@@ -294,13 +316,14 @@ def undecided() -> Iterator[None]:
 def decisions(group: int | None = None) -> list[dict[str, Any]]:
     """Every decision taken in this process (or for ``group``): group, rows, dtype, threads, kernel, the measured
     ratio ``onednn / F.linear`` of one pass over the group's weights (below 1: oneDNN faster) and the reason."""
-    groups = _GROUPS if group is None else [_GROUPS[group]]
+    groups = list(_GROUPS.values()) if group is None else [_GROUPS[group]] if group in _GROUPS else []
     return [dict(v) for g in groups for v in g.why.values()]
 
 
 def clear() -> None:
     """Forget every decision (the next call of each key measures again); groups stay registered."""
-    for g in _GROUPS:
+    for g in _GROUPS.values():
         g.choice.clear()
         g.by_shape.clear()
         g.why.clear()
+        g.checked.clear()
