@@ -213,16 +213,23 @@ def _forced_group(monkeypatch, *shapes, **kw):
     return group(*shapes, **kw)
 
 
+def _decided_onednn(monkeypatch, rows: int):
+    """A layer ``(w, b)`` of a group that chose oneDNN for ``x`` ``(rows, 8)``: ``(w, b, x, g)``."""
+    pairs, g = _forced_group(monkeypatch, (16, 8))
+    w, b = pairs[0]
+    x = torch.randn(rows, 8)
+    with torch.no_grad():
+        fast.linear(x, w, b, g)
+    assert fast.decisions(g)[0]["kernel"] == "onednn"
+    return w, b, x, g
+
+
 @needs_onednn
 def test_a_bias_that_is_not_contiguous_takes_the_op_as_written(monkeypatch) -> None:
     """oneDNN reads a bias as if it were contiguous: a strided one set after the decision (``.data =``,
     ``load_state_dict`` into a strided view) must not reach it."""
-    pairs, g = _forced_group(monkeypatch, (16, 8))
-    w, b = pairs[0]
-    x = torch.randn(1, 8)
+    w, b, x, g = _decided_onednn(monkeypatch, 1)
     with torch.no_grad():
-        fast.linear(x, w, b, g)  # decides oneDNN
-        assert fast.decisions(g)[0]["kernel"] == "onednn"
         b.data = torch.randn(32)[::2]
         assert torch.equal(fast.linear(x, w, b, g), F.linear(x, w, b))
         expanded = torch.randn(1).expand(16)
@@ -232,12 +239,8 @@ def test_a_bias_that_is_not_contiguous_takes_the_op_as_written(monkeypatch) -> N
 @needs_onednn
 def test_autocast_takes_the_op_as_written(monkeypatch) -> None:
     """``aten.linear`` is on autocast's lists and oneDNN's op is not: under autocast the layer stays as written."""
-    pairs, g = _forced_group(monkeypatch, (16, 8))
-    w, b = pairs[0]
-    x = torch.randn(2, 8)
+    w, b, x, g = _decided_onednn(monkeypatch, 2)
     with torch.no_grad():
-        fast.linear(x, w, b, g)
-        assert fast.decisions(g)[0]["kernel"] == "onednn"
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got, want = fast.linear(x, w, b, g), F.linear(x, w, b)
     assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -308,12 +311,8 @@ def test_hugging_face_gpt2_conv1d_layers_are_routed_and_keep_the_tokens(monkeypa
 
 @needs_onednn
 def test_mkldnn_switched_off_and_a_broadcast_bias_take_the_op_as_written(monkeypatch) -> None:
-    pairs, g = _forced_group(monkeypatch, (16, 8))
-    w, b = pairs[0]
-    x = torch.randn(1, 8)
+    w, b, x, g = _decided_onednn(monkeypatch, 1)
     with torch.no_grad():
-        fast.linear(x, w, b, g)
-        assert fast.decisions(g)[0]["kernel"] == "onednn"
         with torch.backends.mkldnn.flags(enabled=False):
             used = []
             real = fast._onednn_op
