@@ -26,9 +26,11 @@ layers are the very tensors of a live group, a cached model's ragged-batch graph
 
 Anything else runs the op as written (``F.linear``, ``torch.addmm``), checked at every call: gradients needed
 (oneDNN's op has no autograd formula), autocast (which casts ``F.linear``'s operands and not oneDNN's), a bias
-that is not contiguous (oneDNN reads it as if it were), a device other than the CPU; and at the decision:
-dtypes other than float32 and bfloat16, mixed dtypes, empty operands, a weight of the group freed, or oneDNN
-missing or raising. :func:`decisions` lists every decision with its measured ratio and reason::
+that is not contiguous or not of the layer's output size (oneDNN reads it as if it were contiguous and
+broadcasts nothing), oneDNN switched off (``torch.backends.mkldnn``), a CUDA input; and at the decision: dtypes
+other than float32 and bfloat16, mixed dtypes, empty operands, a weight of the group freed, or oneDNN missing
+or raising. The capture's probes run inside :func:`undecided`, which decides nothing. :func:`decisions` lists
+every decision with its measured ratio and reason::
 
     >>> g = register([(w1, b1), (w2, None)])
     >>> y = linear(x, w1, b1, g)     # F.linear(x, w1, b1) within float rounding, by the faster kernel
@@ -97,7 +99,7 @@ class _Layer:
 
 @dataclass
 class _Group:
-    """The linear layers of one graph and the decisions taken for them."""
+    """The linear layers of one graph (or of several graphs of the same tensors) and the decisions taken."""
 
     name: str
     layers: list[_Layer]
