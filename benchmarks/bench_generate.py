@@ -19,7 +19,11 @@ Whole generations are timed in alternation (``attnopt.selection.measure.time_alt
 cached, plain, ...) after one untimed warm-up round each, and the medians are compared as ``time(plain) /
 time(variant)``. Then one decode step is timed at several positions: the cached step (one token attending to
 the cache; median over ``--rounds`` instrumented generations and a window of 9 steps around the position)
-and, for contrast, the plain loop's step there (one forward over the whole sequence).
+and, for contrast, the plain loop's step there (one forward over the whole sequence). The step is also given
+as a multiple of one pass over the weights (``weight_read_s``: one row times every weight matrix, by the faster
+of ``F.linear`` and oneDNN, the two kernels the cached model chooses between; a ``sum`` over the same weights is
+reported beside it as the memory's own speed), with the cached model's kernel decisions
+(``attnopt.runtime.linear``).
 
 **Ragged batch.** ``--batch`` (8) prompts of different lengths (evenly from ``--ragged-min`` to the prompt
 length) generate ``--ragged-new`` tokens each on a Hugging Face ``GPT2LMHeadModel`` of the same size (6 layers,
