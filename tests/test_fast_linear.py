@@ -359,3 +359,15 @@ def test_a_compiled_cached_model_routes_nothing() -> None:
     """``compile=True``: Inductor picks the kernels; no group, nothing in describe()."""
     lm = cached(_nano(), compile=True)
     assert lm.linear_groups == [] and "linear layers" not in lm.describe()
+
+
+def test_a_trace_decides_nothing(monkeypatch) -> None:
+    """Fake tensors (a graph traced by make_fx or export) have no values to time or check."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = timer(onednn=1.0, default=2.0)
+    monkeypatch.setattr(fast, "time_passes", fake)
+    pairs, g = group((8, 4))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = fast.linear(torch.empty(3, 4), *pairs[0], g)
+    assert y.shape == (3, 8) and fast.decisions(g) == [] and not fake.calls

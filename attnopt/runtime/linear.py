@@ -29,7 +29,8 @@ Anything else runs the op as written (``F.linear``, ``torch.addmm``), checked at
 that is not contiguous or not of the layer's output size (oneDNN reads it as if it were contiguous and
 broadcasts nothing), oneDNN switched off (``torch.backends.mkldnn``), a CUDA input; and at the decision: dtypes
 other than float32 and bfloat16, mixed dtypes, empty operands, a weight of the group freed, or oneDNN missing
-or raising. The capture's probes run inside :func:`undecided`, which decides nothing. :func:`decisions` lists
+or raising. The capture's probes run inside :func:`undecided`, which decides nothing, and so does a call
+with fake or meta tensors (a trace). :func:`decisions` lists
 every decision with its measured ratio and reason::
 
     >>> g = register([(w1, b1), (w2, None)])
@@ -50,6 +51,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .guards import is_fake
 
 __all__ = ["addmm", "clear", "decisions", "linear", "onednn_linear", "register", "undecided"]
 
@@ -145,7 +148,7 @@ def _chosen(x: torch.Tensor, group: int) -> bool:
         key = ((x.numel() // k).bit_length() if k else 0, shape_key[1], x.dtype, x.device.type)
         use = g.choice.get(key)
         if use is None:
-            if _UNDECIDED[0]:
+            if _UNDECIDED[0] or is_fake(x) or x.is_meta:  # a probe, or a trace: no values to time or check
                 return False
             use = _decide(g, key, x)
         g.by_shape[shape_key] = use
