@@ -291,9 +291,9 @@ def _single_md(res: dict[str, Any], args: argparse.Namespace, threads: int) -> l
     if res.get("linear"):
         out.append("#### Linear layers of the cached model (`attnopt.runtime.linear`: one pass over the weights timed "
                    "with each kernel)\n\n" + tabulate(
-                       [[d["group"], d["rows"], d["threads"], d["kernel"], d.get("onednn / F.linear", "-"), d["reason"]]
-                        for d in res["linear"]],
-                       headers=["graph", "rows", "threads", "kernel", "onednn / F.linear", "why"], tablefmt="github"))
+                       [[d["group"], d["rows"], d["threads"], d["kernel"], d.get("onednn / as written", "-"),
+                         d["reason"]] for d in res["linear"]],
+                       headers=["graph", "rows", "threads", "kernel", "onednn / as written", "why"], tablefmt="github"))
     out.append("#### Cache memory\n\n" + tabulate(mem, headers=["", ""], tablefmt="github"))
     return out
 

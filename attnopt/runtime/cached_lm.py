@@ -1187,11 +1187,11 @@ class CachedLM:
                          + ", ".join(f"`{n.name}`" for n in self.plan.shifted))
         chosen = [d for g in self.linear_groups for d in linear_decisions(g)]
         if chosen:
-            lines += ["", "linear layers (F.linear or oneDNN, by timing one pass over the weights; see "
+            lines += ["", "linear layers (as written or oneDNN, by timing one pass over the weights; see "
                       "attnopt.runtime.linear):",
                       tabulate([[d["group"], d["rows"], d["dtype"], d["threads"], d["kernel"],
-                                 d.get("onednn / F.linear", "-"), d["reason"]] for d in chosen],
-                               headers=["graph", "rows", "dtype", "threads", "kernel", "onednn / F.linear", "why"])]
+                                 d.get("onednn / as written", "-"), d["reason"]] for d in chosen],
+                               headers=["graph", "rows", "dtype", "threads", "kernel", "onednn / as written", "why"])]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

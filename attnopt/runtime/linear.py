@@ -3,9 +3,10 @@
 A decode step multiplies every weight matrix of the model by one row per sequence: it is a pass over the
 weights, and the kernel that reads them sets its speed. ``F.linear`` on the CPU calls the BLAS torch was
 built with (MKL), which on some CPUs runs these shapes far below the memory's speed and on one thread:
-on an AMD EPYC (AVX-512), one row times a 6-layer GPT's 42 MB of fp32 weights takes 2.3 ms at 1 and at 2
+on an AMD EPYC (AVX-512), one row times a 6-layer GPT's 42 MB of fp32 weights takes 2.2-2.5 ms at 1 and at 2
 threads, while oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel Inductor's CPU
-lowering calls) takes 1.6 and 1.1 ms, and a plain sum over the same weights 0.8 and 0.6 ms.
+lowering calls) takes 1.9-2.2 and 1.4-1.5 ms, and a plain sum over the same weights 0.8-1.1 and 0.6-0.7 ms
+(``benchmarks/bench_generate.py``'s weight passes).
 
 Which is faster depends on where the weights come from: timed alone, one matrix stays in the cache and MKL's
 GEMV wins on it; in a step, the model's weights stream from memory and oneDNN wins. So the decision is taken
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -234,16 +234,12 @@ def _within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch
 
 
 def time_passes(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each of ``fns`` per round, after one untimed call each, in alternating rounds (a test
-    replaces this to decide from given times)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    """Seconds of each of ``fns`` per round, after one untimed call each, in alternating rounds
+    (:func:`attnopt.selection.measure.time_alternating`; a test replaces this to decide from given times)."""
+    from ..selection.measure import time_alternating
+
+    times: dict[str, list[float]] = {}
+    time_alternating(fns, (), repeats=rounds, warmup=1, samples=times)
     return times
 
 
@@ -278,9 +274,9 @@ def _measure(layers: list[tuple[torch.Tensor, torch.Tensor | None, bool]], rows:
             else:
                 F.linear(inputs[wl.size(1)], w, b)
 
-    times = time_passes({"onednn": onednn, "F.linear": default}, _ROUNDS)
-    c = compare(times["onednn"], times["F.linear"], confidence=0.95, tie=0.05)
-    why["onednn / F.linear"] = round(c.ratio, 3)
+    times = time_passes({"onednn": onednn, "as written": default}, _ROUNDS)
+    c = compare(times["onednn"], times["as written"], confidence=0.95, tie=0.05)
+    why["onednn / as written"] = round(c.ratio, 3)
     use = c.verdict == "faster"
     return use, "faster with 95% confidence" if use else f"not faster with 95% confidence ({c.verdict})"
 
@@ -320,7 +316,7 @@ def undecided() -> Iterator[None]:
 
 def decisions(group: int | None = None) -> list[dict[str, Any]]:
     """Every decision taken in this process (or for ``group``): group, rows, dtype, threads, kernel, the measured
-    ratio ``onednn / F.linear`` of one pass over the group's weights (below 1: oneDNN faster) and the reason."""
+    ratio ``onednn / as written`` of one pass over the group's weights (below 1: oneDNN faster) and the reason."""
     groups = list(_GROUPS.values()) if group is None else [_GROUPS[group]] if group in _GROUPS else []
     return [dict(v) for g in groups for v in g.why.values()]
 
