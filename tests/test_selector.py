@@ -69,8 +69,44 @@ def test_picks_the_fastest_and_keeps_every_timing(tmp_path):
     assert entry.choice == "sdpa_flash" and not entry.provisional
     assert entry.timings_ms == {"math": 5000.0, "sdpa": 3000.0, "sdpa_flash": 1000.0, "sdpa_math": 4000.0}
     assert entry.ratios["sdpa"] == pytest.approx((3.0, 3.0, 3.0)) and entry.spread_ms["sdpa_flash"] == (1000.0, 1000.0)
-    assert "faster than the runner-up sdpa: sdpa/sdpa_flash x3 [3, 3] at 99% over 8 rounds" in entry.decision
-    assert set(entry.peak_bytes) == {"sdpa_flash"}  # the others were pruned: clearly slower over 8 rounds
+    # every rival ran 3x or more slower in each of its first five rounds: pruned there, with no confirming rounds
+    assert entry.decision == "faster than the runner-up sdpa, which ran more than 2x slower in each of its 5 rounds"
+    assert entry.rounds == {"math": 5, "sdpa": 5, "sdpa_flash": 5, "sdpa_math": 5}
+    assert entry.pruned["sdpa"] == ("slower than sdpa_flash by more than 2x in each of its 5 rounds (at least x3); "
+                                    "not timed further")
+    assert set(entry.peak_bytes) == {"sdpa_flash"}  # the others were pruned: clearly slower
+
+
+def test_a_candidate_slower_but_not_grossly_is_timed_the_rounds_that_can_show_it(tmp_path):
+    clock = FakeClock({"math": 5.0, "sdpa": 1.9, "sdpa_flash": 1.0, "sdpa_math": 4.0})
+    entry = _choose(_selector(clock, tmp_path), _call())
+    assert entry.rounds == {"math": 5, "sdpa": 8, "sdpa_flash": 8, "sdpa_math": 5}
+    assert entry.pruned["sdpa"].startswith("slower than sdpa_flash by x1.9 [1.9, 1.9] over 8 rounds")
+    # the verdict the race looked at many times is confirmed on fresh rounds of the two alone
+    assert "faster than the runner-up sdpa: sdpa/sdpa_flash x1.9 [1.9, 1.9] at 99% over 8 rounds" in entry.decision
+    assert "confirmed on 8 fresh rounds" in entry.decision and not entry.provisional
+    assert entry.ratios["math"] == pytest.approx((5.0, 5.0, 5.0))  # a grossly slower one's ratio is still shown
+
+
+@pytest.mark.parametrize("gross, rounds", [(1.0, 5), (2.0, 4)])
+def test_gross_pruning_needs_a_factor_and_five_rounds(gross, rounds):
+    with pytest.raises(ValueError, match="at least 5"):
+        Selector(cache=False, gross=gross, gross_rounds=rounds)
+
+
+def test_a_candidate_that_is_grossly_slower_in_all_but_one_round_is_not_pruned_early(tmp_path):
+    """One round where it kept up (the leader was the one slowed) keeps it in the race to the eighth round."""
+    class Clock(FakeClock):
+        def timer(self, name, run):
+            self.timed.append(name)
+            if name == "sdpa" and self.timed.count("sdpa") == 3:
+                return 1.0  # its third round
+            return self.times[name]
+
+    clock = Clock({"sdpa": 3.0, "sdpa_flash": 1.0})
+    entry = _choose(_selector(clock, tmp_path, names=["sdpa", "sdpa_flash"]), _call())
+    assert entry.rounds["sdpa"] >= 8 and "more than 2x" not in entry.pruned.get("sdpa", "")
+    assert entry.choice == "sdpa_flash"
 
 
 def test_the_choice_changes_with_the_timer(tmp_path):
@@ -82,12 +118,14 @@ def test_slow_candidates_are_pruned_after_several_rounds_never_one(tmp_path):
     # Before issue 15 a candidate more than 2x the best after round one was never timed again.
     clock = FakeClock({"math": 10.0, "sdpa": 1.0, "sdpa_flash": 1.1, "sdpa_math": 1.5})
     entry = _choose(_selector(clock, tmp_path), _call())
-    assert clock.timed.count("math") == 8  # 8 rounds: the fewest that can show it at 99%
+    assert clock.timed.count("math") == 5  # ten times slower in each of five rounds: 2**-5 by chance at most
+    assert clock.timed.count("sdpa_math") == 8  # 1.5x: 8 rounds, the fewest that can show it at 99%
     # the choice and its runner-up: 8 race rounds, then 8 fresh rounds of the two alone that confirm the verdict
     assert clock.timed.count("sdpa") == clock.timed.count("sdpa_flash") == 16
     assert entry.choice == "sdpa" and "confirmed on 8 fresh rounds (sdpa_flash/sdpa x1.1" in entry.decision
-    assert entry.pruned["math"].startswith("slower than sdpa by x10 [10, 10] over 8 rounds")
-    assert entry.rounds == dict.fromkeys(NAMES, 8)
+    assert entry.pruned["math"].startswith("slower than sdpa by more than 2x in each of its 5 rounds (at least x10)")
+    assert entry.pruned["sdpa_math"].startswith("slower than sdpa by x1.5 [1.5, 1.5] over 8 rounds")
+    assert entry.rounds == {"math": 5, "sdpa": 8, "sdpa_flash": 8, "sdpa_math": 8}
 
 
 def test_memory_budget_is_honoured(tmp_path):
@@ -657,3 +695,83 @@ def test_explain_lists_rivals_by_their_ratio_to_the_choice_not_their_median():
                         rounds={"sdpa_flash": 20})
     text = format_timings(entry)
     assert text.index("sdpa_flash 2.18 ms*") < text.index("sdpa 2.5 ms") < text.index("sdpa_math 1.5 ms"), text
+
+
+@pytest.mark.parametrize("backend, twin", [("FLASH_ATTENTION", "sdpa_flash"), ("MATH", "sdpa_math")])
+def test_the_restricted_sdpa_that_runs_sdpas_own_kernel_is_not_timed_apart(tmp_path, monkeypatch, backend, twin):
+    from torch.nn.attention import SDPBackend
+
+    asked = []
+
+    def choice(q, k, v, mask, dropout_p, is_causal, scale=None, enable_gqa=False):
+        asked.append((tuple(q.shape), mask, dropout_p, is_causal, scale))
+        return int(getattr(SDPBackend, backend).value)
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choice)
+    clock = FakeClock({}, default=1.0)
+    sel = Selector(timer=clock.timer, memory=clock.memory, cache=TuningCache(tmp_path))  # the default set
+    entry = _choose(sel, _call())
+    assert asked == [((2, 4, 16, 8), None, 0.0, True, 0.25)]  # asked on the tuning's inputs, as the site calls
+    assert "runs the same kernel as sdpa" in entry.rejected[twin] and twin not in clock.timed
+    assert "sdpa" in clock.timed and twin not in entry.timings_ms
+    other = {"sdpa_flash": "sdpa_math", "sdpa_math": "sdpa_flash"}[twin]
+    assert other in clock.timed  # the other backend is a candidate of its own
+    # a set of candidates the user named is timed as named
+    clock = FakeClock({}, default=1.0)
+    _choose(_selector(clock, tmp_path / "named", names=["sdpa", twin]), _call())
+    assert twin in clock.timed
+
+
+def test_without_dropout_the_check_is_the_warm_up(tmp_path, monkeypatch):
+    runs = []
+
+    def counted(q, k, v, **kw):
+        runs.append(kw["dropout_p"])
+        return reference_attention(q, k, v, **kw)
+
+    _register(monkeypatch, "counted", counted)
+    clock = FakeClock({"counted": 1.0, "sdpa": 3.0})
+    entry = _choose(_selector(clock, tmp_path, names=["counted", "sdpa"]), _call())
+    timed = clock.timed.count("counted")
+    assert entry.choice == "counted" and len(runs) == 1 + timed + len(clock.measured)  # the check, rounds, memory
+    runs.clear()
+    clock = FakeClock({"counted": 1.0, "sdpa": 3.0})
+    call = _call()
+    call.kwargs["dropout_p"] = 0.1
+    sel = _selector(clock, tmp_path / "dropout", names=["counted", "sdpa"])
+    key = shape_key(SPEC, call.q, call.k, call.v, causal=True, mask=None, dropout=True, grad=False)
+    sel.choose(SPEC, key, call)
+    # with dropout the check (run without it) is not the timed call: one warm-up with dropout
+    assert runs[0] == 0.0 and runs[1] == 0.1 and len(runs) == 2 + clock.timed.count("counted") + len(clock.measured)
+
+
+@pytest.mark.parametrize("progress", [None, True, False])
+def test_a_tuning_counts_its_timed_calls_on_a_progress_bar(tmp_path, monkeypatch, progress):
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.n, self.names, self.closed = kw, 0, [], False
+            bars.append(self)
+
+        def set_postfix_str(self, s, refresh=True):
+            self.names.append(s)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    clock = FakeClock({"sdpa": 1.0, "math": 3.0})
+    _choose(_selector(clock, tmp_path, names=["sdpa", "math"], progress=progress), _call())
+    if progress is False:
+        assert bars == []
+        return
+    (bar,) = bars
+    assert bar.n == len(clock.timed) and bar.names == clock.timed and bar.closed
+    assert bar.kw["desc"] == "attnopt: tuning B=2 H=4 Tq<=16 Tk<=16 D=8 float32 cpu, causal"
+    assert bar.kw["delay"] == 2.0 and bar.kw["disable"] is (None if progress is None else False)

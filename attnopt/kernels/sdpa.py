@@ -1,6 +1,10 @@
 """The SDPA family of candidates: ``sdpa`` (PyTorch's dispatcher picks the backend) and SDPA
 restricted to one backend with ``torch.nn.attention.sdpa_kernel`` (``sdpa_flash``, ``sdpa_math``; on
 CUDA also ``sdpa_efficient`` and ``sdpa_cudnn``), registered on import.
+
+:func:`same_kernel_as_sdpa` names the restricted candidate that plain ``sdpa`` itself runs on given
+inputs (PyTorch's own backend choice, ``torch._fused_sdp_choice``): the selector does not time the two
+apart there (they run one kernel; the restricted one only adds its context manager).
 """
 
 from __future__ import annotations
@@ -56,3 +60,26 @@ for _name, _backend, _devices in (("sdpa_flash", "FLASH_ATTENTION", ("cpu", "cud
         register_candidate(FunctionCandidate(_name, _restricted(getattr(SDPBackend, _backend)), _sdpa_supports,
                                              f"SDPA restricted to its {_backend.lower()} backend", _devices,
                                              every_shape=True))
+
+
+_BACKEND_CANDIDATE = {"FLASH_ATTENTION": "sdpa_flash", "MATH": "sdpa_math", "EFFICIENT_ATTENTION": "sdpa_efficient",
+                      "CUDNN_ATTENTION": "sdpa_cudnn"}
+
+
+def same_kernel_as_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> str | None:
+    """The restricted candidate (``sdpa_flash``, ``sdpa_math``, ...) whose backend plain SDPA picks for this call,
+    or None where that cannot be told (a window, a score modifier, a torch without the choice function).
+
+    ``kwargs`` are the candidates' keyword arguments (``attn_mask``, ``dropout_p``, ``is_causal``, ``scale``,
+    ``enable_gqa``)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None or "window" in kwargs or "score_mod" in kwargs:
+        return None
+    try:
+        extra = {"enable_gqa": True} if kwargs.get("enable_gqa") else {}
+        index = int(choose(q, k, v, kwargs.get("attn_mask"), float(kwargs.get("dropout_p", 0.0)),
+                           bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale"), **extra))
+        backend = SDPBackend(index)
+    except (RuntimeError, TypeError, ValueError):  # no usable backend, or another signature
+        return None
+    return _BACKEND_CANDIDATE.get(backend.name)

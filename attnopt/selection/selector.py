@@ -15,21 +15,29 @@ Tuning one key (:meth:`Selector.tune`):
 1. *Legal candidates*: every registered candidate whose ``supports(spec)`` and
    ``available(device)`` return None (the reasons of the others are kept for ``explain()``).
    Candidates marked ``costly`` (FlexAttention: it compiles for every shape, seconds on CPU)
-   are tried only where no SDPA candidate serves, e.g. score modifiers.
+   are tried only where no SDPA candidate serves, e.g. score modifiers. Of the default set, the
+   restricted SDPA candidate whose backend plain ``sdpa`` picks for the call's inputs (PyTorch's own
+   choice: ``sdpa_flash`` for most CPU calls) is the same kernel, so it is checked and timed once, as
+   ``sdpa`` (:func:`attnopt.kernels.sdpa.same_kernel_as_sdpa`).
 2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
    site's real mask (its pattern is part of the function).
 3. *Check*: each candidate's output (and, when gradients are needed, its q/k/v gradients)
    must match the reference computation within the dtype's tolerance before it may win;
    rows whose reference is NaN (every key masked) are skipped, since the site restores them.
    A candidate that raises or differs scores infinity and is recorded as rejected.
-4. *Time*: one warm-up call each, then rounds that call every surviving candidate once in
+4. *Time*: the check was each candidate's warm-up (with dropout, one more call each, with it), then
+   rounds that call every surviving candidate once in
    turn (``a b c``, then ``b c a``, ...), synchronising the device around each call (CUDA events
    on GPU), until the decision is made with confidence (:mod:`attnopt.selection.stats`): after
    each round from the eighth on, every candidate is compared with the leader (the lowest
    median) by its per-round paired ratios to it and their sign-test interval at ``confidence``
    (99% per look: the rule looks after every round and at several rivals, so each look is
    stricter than the 95% one wants overall). A candidate whose interval lies above 1 is *pruned*
-   (clearly slower over several rounds, never on one); one whose interval lies within
+   (clearly slower over several rounds, never on one). Before the eighth round, from the fifth, one that
+   ran more than ``gross`` (2x) slower than the leader in *every* round is pruned too: were it in truth no
+   slower, that would happen with chance at most ``2**-5`` (3%) whatever the noise, and these looks are
+   nested, so the bound holds for the race (a long shape's slow candidates, ``math`` at T=4096 with
+   gradients, are timed five times, not eight). One whose interval lies within
    ``1 +- tie`` (3%) is a *tie* (either serves). The rounds stop when every rival of the leader
    is pruned or tied, or when the timed calls after the first eight rounds (which always run:
    slow candidates are pruned there) have used ``budget_s`` (2 s), or after ``max_rounds``
@@ -60,6 +68,7 @@ seconds count as real ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -69,7 +78,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -79,6 +88,7 @@ import torch
 from ..env import parse_bytes
 from ..kernels.reference import reference_attention, tolerance
 from ..kernels.registry import candidate_names, get_candidate
+from ..kernels.sdpa import same_kernel_as_sdpa
 from ..spec import AttentionSpec
 from . import stats
 from .cache import TuningCache, TuningEntry
@@ -192,12 +202,17 @@ class Selector:
             which two candidates are equivalent (0.03).
         budget_s: seconds of timed calls per key after the first rounds before an undecided race
             stops and its choice is marked provisional (2.0); ``max_rounds``: the most rounds (200).
+        gross, gross_rounds: a candidate more than ``gross`` times slower than the leader in each of its first
+            ``gross_rounds`` rounds (2.0, 5) is timed no further (see the module docstring).
+        progress: a counter of the timed calls for a tuning that runs over two seconds: None (on a terminal),
+            True (always) or False (never).
     """
 
     def __init__(self, *, timer: Timer | None = None, memory: MemoryMeter | None = None,
                  memory_budget: int | str | None = None, cache: TuningCache | None | bool = True,
                  candidates: list[str] | None = None, confidence: float = 0.99, tie: float = 0.03,
-                 budget_s: float = 2.0, max_rounds: int = 200):
+                 budget_s: float = 2.0, max_rounds: int = 200, gross: float = 2.0, gross_rounds: int = 5,
+                 progress: bool | None = None):
         if not 0.5 < confidence < 1:
             raise ValueError(f"confidence must be a level between 0.5 and 1 (e.g. 0.99), got {confidence!r}")
         if not 0 <= tie < 0.5:
@@ -208,6 +223,9 @@ class Selector:
         if max_rounds < stats.min_pairs(confidence):
             raise ValueError(f"max_rounds={max_rounds} is too few to decide anything at confidence {confidence}: "
                              f"give at least {stats.min_pairs(confidence)}")
+        if not gross > 1 or gross_rounds < 5:
+            raise ValueError(f"gross={gross!r} must be a factor > 1 and gross_rounds={gross_rounds!r} at least 5 "
+                             "(fewer rounds of one sign show little: all of 4 happen 6% of the time by chance)")
         if candidates is not None:
             for name in candidates:
                 get_candidate(name)  # a clear error now, not inside a forward
@@ -220,6 +238,9 @@ class Selector:
         self.tie = tie
         self.budget_s = budget_s
         self.max_rounds = max_rounds
+        self.gross = gross
+        self.gross_rounds = gross_rounds
+        self.progress = progress
         self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
         #: True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`
         self.collective = False
@@ -373,19 +394,32 @@ class Selector:
         during timing runs inside ``fork_rng``), so seeded runs do not depend on cache hits.
         """
         device = call.q.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            return self._tune(spec, key, call, names, refused)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                _progress(key, self.progress) as tick:
+            return self._tune(spec, key, call, names, refused, tick)
 
     def _tune(self, spec: AttentionSpec, key: ShapeKey, call: Call, names: list[str],
-              refused: Mapping[str, str] | None) -> TuningEntry:
+              refused: Mapping[str, str] | None, tick: Callable[[str], None] = lambda name: None) -> TuningEntry:
         start = time.perf_counter()
         device = call.q.device
-        timer = self.timer or functools.partial(default_timer, device=device)
+        timed = self.timer or functools.partial(default_timer, device=device)
+
+        def timer(name: str, run: Callable[[], Any]) -> float:
+            seconds = timed(name, run)
+            tick(name)
+            return seconds
+
         memory = self.memory or functools.partial(default_memory, device=device)
         rejected = dict(refused or {})
         timings = {name: math.inf for name in names}
         peaks: dict[str, int] = {}
         runs = _Runs(call, spec)
+        twin = self._twin_of_sdpa(names, runs)
+        if twin is not None:  # one kernel: checked and timed once, as sdpa (the restricted one adds a context manager)
+            names = [n for n in names if n != twin]
+            rejected[twin] = ("runs the same kernel as sdpa for these inputs (PyTorch's own backend choice): "
+                              "checked and timed once, as sdpa")
+            timings.pop(twin, None)
         expected = runs.reference()
         live = []
         for name in names:
@@ -397,12 +431,14 @@ class Selector:
                 rejected[name] = problem
             else:
                 live.append(name)
-        for name in list(live):  # one untimed warm-up each (the check ran without dropout)
-            try:
-                runs.runner(name)()
-            except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
-                rejected[name] = _raised(e)
-                live.remove(name)
+        if runs.dropout:
+            for name in list(live):  # one untimed warm-up each (the check ran without dropout)
+                try:
+                    runs.runner(name)()
+                except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
+                    rejected[name] = _raised(e)
+                    live.remove(name)
+        # (without dropout the check was the very call the rounds time: it warmed every candidate up)
         load_before = _load()
         samples, pruned = self._race(live, runs, timer, rejected)
         live = [n for n in live if n in samples and n not in pruned]
@@ -460,13 +496,16 @@ class Selector:
 
             choice = min([n for n in ok if not beaten(n)] or ok, key=lambda n: timings[n])
             rivals = [n for n in samples if math.isfinite(timings[n]) and n not in rejected]  # pruned ones too
-            provisional, decision = self._verdict(choice, rivals, samples, pruned, budget is not None)
-            if not provisional and decision.startswith(("faster", "fastest within")) and " runner-up " in decision:
+            provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
+            if confirm:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         ratios = {}
         for name in samples:
             if name != choice and choice in samples:
                 c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
+                if not math.isfinite(c.hi) and self._grossly_slower(samples[name], samples[choice]):
+                    # pruned in its first rounds: the range of its per-round ratios (the interval of a lower level)
+                    c = stats.compare(samples[name], samples[choice], confidence=0.9, tie=self.tie)
                 if math.isfinite(c.hi):  # an interval exists (enough paired rounds)
                     ratios[name] = (c.ratio, c.lo, c.hi)
         entry = TuningEntry(choice=choice, timings_ms=timings, peak_bytes=peaks, rejected=rejected,
@@ -478,6 +517,15 @@ class Selector:
                             load=tuple(x for x in (load_before, _load()) if x is not None))
         log.info("tuned %s: %s (%s)", key.describe(), choice, format_timings(entry))
         return entry
+
+    def _twin_of_sdpa(self, names: list[str], runs: _Runs) -> str | None:
+        """The restricted SDPA candidate (``sdpa_flash``, ``sdpa_math``, ...) that runs the very kernel plain
+        ``sdpa`` picks for these inputs, when both are in the race of the default candidate set (a set the user
+        named is timed as named)."""
+        if self.only is not None or "sdpa" not in names:
+            return None
+        twin = same_kernel_as_sdpa(runs.q, runs.k, runs.v, runs.kwargs)
+        return twin if twin in names else None
 
     def _race(self, names: list[str], runs: _Runs, timer: Timer,
               rejected: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -506,7 +554,13 @@ class Selector:
                     spent += seconds
             racing = [n for n in samples if n not in pruned]
             if round_ + 1 < need:
-                continue  # never decide on fewer rounds than can show anything (8 at 99%)
+                # never decide on fewer rounds than can show anything (8 at 99%), but stop timing a candidate
+                # that ran more than ``gross`` times slower than the leader in each of its first rounds
+                if round_ + 1 >= self.gross_rounds and len(racing) > 1:
+                    self._prune_gross(racing, samples, pruned)
+                    if sum(n not in pruned for n in samples) <= 1:
+                        break
+                continue
             if len(racing) <= 1:
                 break
             leader = min(racing, key=lambda n: stats.quartiles(samples[n])[1])
@@ -522,6 +576,27 @@ class Selector:
             if settled or spent >= self.budget_s:
                 break
         return samples, pruned
+
+    def _prune_gross(self, racing: list[str], samples: Mapping[str, list[float]], pruned: dict[str, str]) -> None:
+        """Prune each candidate slower than the leader (the lowest median) by more than ``gross`` in *every* paired
+        round so far (at least ``gross_rounds``). Were it in truth no slower than the leader, each round would show
+        it slower with chance at most 1/2, whatever the noise, so all of ``n`` rounds at most ``2**-n`` (3% for 5);
+        the looks are nested (all of ``n + 1`` rounds implies all of ``n``), so that bound holds over the race.
+        Load that slows one call twofold, in each of five rounds, and never its rival's call beside it, is
+        rarer still."""
+        leader = min(racing, key=lambda n: stats.quartiles(samples[n])[1])
+        lead = samples[leader]
+        for name in racing:
+            times = samples[name]
+            if name != leader and self._grossly_slower(times, lead):
+                least = min(a / max(b, 1e-12) for a, b in zip(times, lead))
+                pruned[name] = (f"slower than {leader} by more than {self.gross:g}x in each of its {len(times)} "
+                                f"rounds (at least x{least:.3g}); not timed further")
+
+    def _grossly_slower(self, x: list[float], y: list[float]) -> bool:
+        """``x`` ran more than ``gross`` times ``y`` in every paired round, over at least ``gross_rounds``."""
+        n = min(len(x), len(y))
+        return n >= self.gross_rounds and all(a > self.gross * b for a, b in zip(x[:n], y[:n]))
 
     def _confirm(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], runs: _Runs, timer: Timer,
                  decision: str) -> tuple[bool, str]:
@@ -553,28 +628,52 @@ class Selector:
                       f"({runner}/{choice} {c.describe()}); timed again by the next process or attnopt.tune")
 
     def _verdict(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], pruned: Mapping[str, str],
-                 budgeted: bool) -> tuple[bool, str]:
-        """Whether ``choice`` is provisional, and the sentence that says why it won. A rival counts as beaten when
-        the rounds show it slower than ``choice`` or tied with it; one pruned against another leader (that the
+                 budgeted: bool) -> tuple[bool, str, bool]:
+        """Whether ``choice`` is provisional, the sentence that says why it won, and whether that verdict is to be
+        confirmed on fresh rounds (:meth:`_confirm`: a "faster than" the race's many looks ended on). A rival counts
+        as beaten when the rounds show it slower than ``choice`` or tied with it, or it was pruned as grossly slower
+        (:meth:`_prune_gross`, whose bound holds over every look); one pruned against another leader (that the
         budget then rejected) and not shown slower than ``choice`` leaves the choice provisional."""
         level = f"{self.confidence:.0%}"
         prefix = "fastest within the memory budget: " if budgeted else ""
         rivals = sorted((n for n in rivals if n != choice), key=lambda n: stats.quartiles(samples[n])[1])
         if not rivals:
-            return False, prefix + ("the only candidate left" if budgeted else "the only candidate that passed")
+            return False, prefix + ("the only candidate left" if budgeted else "the only candidate that passed"), False
+        verdicts = {}
         for name in rivals:
             c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
-            if c.verdict not in ("slower", "tie"):
+            if c.verdict not in ("slower", "tie") and not self._grossly_slower(samples[name], samples[choice]):
                 return True, (f"{prefix}provisional: not separated from {name} ({name}/{choice} {c.describe()} at "
                               f"{level} over {c.n} rounds, within a budget of {self.budget_s:g} s of timed calls); "
-                              "timed again by the next process or attnopt.tune")
+                              "timed again by the next process or attnopt.tune"), False
+            verdicts[name] = c
         name = rivals[0]
-        c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
+        c = verdicts[name]
         if c.verdict == "tie":
             return False, (f"{prefix}tied with {name} within {self.tie:.0%} ({name}/{choice} {c.describe()} at {level} "
-                           f"over {c.n} rounds); either serves")
+                           f"over {c.n} rounds); either serves"), False
+        if c.verdict != "slower":  # grossly slower in each of its first rounds
+            return False, (f"{prefix}faster than the runner-up {name}, which ran more than {self.gross:g}x slower in "
+                           f"each of its {c.n} rounds"), False
         return False, (f"{prefix}faster than the runner-up {name}: {name}/{choice} {c.describe()} at {level} "
-                       f"over {c.n} rounds")
+                       f"over {c.n} rounds"), True
+
+
+@contextlib.contextmanager
+def _progress(key: ShapeKey, show: bool | None) -> Iterator[Callable[[str], None]]:
+    """A tqdm counter of the timed calls of one tuning, shown once it has run for two seconds (a long shape's
+    first call), on a terminal unless ``show`` says otherwise; ``tick(name)`` counts a call of ``name``."""
+    if show is False:
+        yield lambda name: None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=f"attnopt: tuning {key.describe()}", unit=" calls", delay=2.0, leave=False,
+               disable=None if show is None else False)
+    try:
+        yield lambda name: (bar.set_postfix_str(name, refresh=False), bar.update(1))  # type: ignore[func-returns-value]
+    finally:
+        bar.close()
 
 
 def _load() -> float | None:
@@ -678,6 +777,8 @@ class _Runs:
             self.mask = mask.requires_grad_(call.grad and call.kwargs["attn_mask"].requires_grad)
             kwargs["attn_mask"] = self.mask
         self.kwargs = kwargs
+        #: dropout is active in the timed calls (the check runs without it)
+        self.dropout = float(kwargs.get("dropout_p") or 0.0) > 0
         self.grad_out: torch.Tensor | None = None
         self.gen = gen
 
