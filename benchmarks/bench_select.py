@@ -24,9 +24,10 @@ Results: ``benchmarks/results/select.json`` and ``select.md``.
 ``--trials``, ``--load-procs`` background processes keep the cores busy (1-thread matmuls) while
 a fresh selector tunes the block's attention call (B, 12 heads, T, 64, causal) into an empty
 tuning cache; then the load stops and every candidate is timed on that call in alternation on
-the quiet machine (medians of ``--quiet-repeats`` rounds). It reports how often the cached choice is
-more than 5% slower than the best candidate (target 0), and how many choices came out provisional
-(those would be timed again by the next process)::
+the quiet machine (``--quiet-repeats`` rounds in rotating order; the regret is the median of the
+per-round ratios of the choice to the best). It reports how often the cached choice is more than
+5% slower than the best candidate (target 0), and how many choices came out provisional (those
+would be timed again by the next process)::
 
     python benchmarks/bench_select.py --noisy --batch-sizes 1 --seq-lens 64 256 --trials 5
 Results: ``select_noisy.json`` and ``select_noisy.md`` in ``--out``.
@@ -41,6 +42,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -187,14 +189,35 @@ def noisy_trial(b: int, t: int, names: list[str], args: argparse.Namespace, cach
             proc.wait()
     time.sleep(0.5)
     stored = TuningCache(cache_dir).records()[-1].entry  # what the next process would read
-    quiet = time_alternating(fns, (), repeats=args.quiet_repeats, warmup=2)
+    quiet, rounds = quiet_times(fns, args.quiet_repeats)
     best = min(quiet, key=quiet.get)
+
+    def regret(name: str) -> float:  # the median of the per-round ratios: a round's shared noise cancels
+        return statistics.median(a / b for a, b in zip(rounds[name], rounds[best]))
     return {"batch": b, "seq_len": t, "choice": stored.choice, "provisional": stored.provisional,
             "rounds": stored.rounds.get(stored.choice, 0), "tuning_s": stored.tuning_s,
             "load_during": stored.load[-1] if stored.load else None, "decision": stored.decision,
             "quiet_ms": {n: v * 1e3 for n, v in quiet.items()}, "best": best,
-            "regret": quiet[stored.choice] / quiet[best], "old_rule_choice": old,
-            "old_rule_regret": quiet[old] / quiet[best]}
+            "regret": regret(stored.choice), "old_rule_choice": old, "old_rule_regret": regret(old)}
+
+
+def quiet_times(fns: dict[str, Any], repeats: int, warmup: int = 2) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Medians and per-round seconds of ``fns``, timed in rounds whose order rotates (``a b c``, ``b c a``, ...):
+    in a fixed order each candidate always runs after the same one (``sdpa`` after ``math``, whose score tensors
+    have just left the cache), which once made one kernel measure 13% slower than itself restricted."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    with torch.no_grad():
+        for r in range(repeats):
+            turn = r % len(names)
+            for n in names[turn:] + names[:turn]:
+                t0 = time.perf_counter()
+                fns[n]()
+                rounds[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(v) for n, v in rounds.items()}, rounds
 
 
 def old_rule(fns: dict[str, Any], repeats: int = 7, prune: float = 2.0) -> str:
@@ -250,7 +273,8 @@ def render_noisy(r: dict[str, Any]) -> str:
         f"# Selector under load ({r['device']}, {r['machine']}, {r['threads']} threads, torch {r['torch']})", "",
         f"Command: `{r['command']}`. Tuned while {r['load_procs']} background processes ran 1-thread matmuls, into "
         "an empty cache; then every candidate was timed on the same attention call without the load (alternating "
-        "medians). regret = quiet time of the cached choice / quiet time of the best candidate.", "", table, "",
+        "rounds in rotating order). regret = the median over rounds of the cached choice's time / the best candidate's "
+        "(the lowest median).", "", table, "",
         f"Cached choice more than 5% slower than the best: **{len(slow)} of {len(r['trials'])}**"
         + (f" ({len(final_slow)} of them final, {len(slow) - len(final_slow)} provisional, which the next process "
            "times again)" if slow else "")
