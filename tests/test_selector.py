@@ -775,3 +775,20 @@ def test_a_tuning_counts_its_timed_calls_on_a_progress_bar(tmp_path, monkeypatch
     assert bar.n == len(clock.timed) and bar.names == clock.timed and bar.closed
     assert bar.kw["desc"] == "attnopt: tuning B=2 H=4 Tq<=16 Tk<=16 D=8 float32 cpu, causal"
     assert bar.kw["delay"] == 2.0 and bar.kw["disable"] is (None if progress is None else False)
+
+
+def test_an_unseparated_race_serves_sdpa_unless_it_was_shown_slower(tmp_path):
+    """Heavy noise, tiled64 25% slower in truth: where the race cannot separate them, sdpa serves (provisional)
+    whichever median came out lower; a candidate shown faster than sdpa still wins."""
+    chose = []
+    for seed in range(12):
+        clock = NoisyClock({"sdpa": 1.0e-3, "tiled64": 1.25e-3}, sigma=0.6, spikes=0.2, spike=4.0, seed=seed)
+        sel = _selector(clock, tmp_path / str(seed), names=["tiled64", "sdpa"], budget_s=0.01)
+        entry = _choose(sel, _call())
+        chose.append(entry.choice)
+        if entry.provisional:
+            assert entry.choice == "sdpa", entry.decision
+    assert chose.count("sdpa") == len(chose)
+    clock = FakeClock({"sdpa": 1.2, "tiled64": 1.0})
+    entry = _choose(_selector(clock, tmp_path / "faster", names=["tiled64", "sdpa"]), _call())
+    assert entry.choice == "tiled64" and not entry.provisional, entry.decision

@@ -41,7 +41,8 @@ Tuning one key (:meth:`Selector.tune`):
    ``1 +- tie`` (3%) is a *tie* (either serves). The rounds stop when every rival of the leader
    is pruned or tied, or when the timed calls after the first eight rounds (which always run:
    slow candidates are pruned there) have used ``budget_s`` (2 s), or after ``max_rounds``
-   (200); then the best median is chosen but marked *provisional*: it serves this
+   (200); then the best median is chosen (``sdpa`` where it is not shown slower than any candidate:
+   without evidence, what the model written with SDPA would run), but marked *provisional*: it serves this
    process and is timed again by the next process or the next :func:`attnopt.tune`. A choice is never one
    that the rounds show clearly slower than another candidate that may serve. Because the race looks after
    every round, a verdict "faster than the runner-up" it ends on is checked once more on fresh rounds of the
@@ -494,9 +495,17 @@ class Selector:
                 return any(o != n and stats.compare(samples[n], samples[o], confidence=self.confidence,
                                                     tie=self.tie).verdict == "slower" for o in ok)
 
-            choice = min([n for n in ok if not beaten(n)] or ok, key=lambda n: timings[n])
+            pool = [n for n in ok if not beaten(n)] or ok
+            choice = min(pool, key=lambda n: timings[n])
             rivals = [n for n in samples if math.isfinite(timings[n]) and n not in rejected]  # pruned ones too
             provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
+            if provisional and choice != "sdpa" and "sdpa" in pool and choice in samples and stats.compare(
+                    samples["sdpa"], samples[choice], confidence=0.95, tie=self.tie).verdict != "slower":
+                # Not separated, and sdpa not shown slower than the best median even at 95%: what the model written
+                # with SDPA runs serves until a later timing shows another candidate faster (provisional all the same)
+                choice = "sdpa"
+                provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
+                decision += "; sdpa serves, as no candidate was shown faster than it"
             if confirm:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         ratios = {}
