@@ -246,14 +246,18 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
     from tqdm.auto import tqdm
 
     selector = getattr(opt, _SELECTOR_ATTR, None)
+    shown = getattr(selector, "progress", None)
     if selector is not None:
         selector.retime_provisional()  # a new tune is the moment to decide the provisional choices
         selector.collective = True  # every rank runs this same sweep: rank 0 tunes, all run its choices
+        if not progress:
+            selector.progress = False  # nor the counters of long tunings
     try:
         _sweep(opt, labels, calls, grad, progress, tqdm)
     finally:
         if selector is not None:
             selector.collective = False
+            selector.progress = shown
     if selector is not None:
         selector.share()
     return opt

@@ -26,18 +26,19 @@ Tuning one key (:meth:`Selector.tune`):
    rows whose reference is NaN (every key masked) are skipped, since the site restores them.
    A candidate that raises or differs scores infinity and is recorded as rejected.
 4. *Time*: the check was each candidate's warm-up (with dropout, one more call each, with it), then
-   rounds that call every surviving candidate once in
-   turn (``a b c``, then ``b c a``, ...), synchronising the device around each call (CUDA events
+   rounds that call every surviving candidate once, in an order shuffled every round (seeded), so
+   none always runs after the same one, synchronising the device around each call (CUDA events
    on GPU), until the decision is made with confidence (:mod:`attnopt.selection.stats`): after
    each round from the eighth on, every candidate is compared with the leader (the lowest
    median) by its per-round paired ratios to it and their sign-test interval at ``confidence``
    (99% per look: the rule looks after every round and at several rivals, so each look is
    stricter than the 95% one wants overall). A candidate whose interval lies above 1 is *pruned*
-   (clearly slower over several rounds, never on one). Before the eighth round, from the fifth, one that
+   (clearly slower over several rounds, never on one). Before the eighth round, from the fifth (and
+   not before each candidate has had as many rounds as there are candidates), one that
    ran more than ``gross`` (2x) slower than the leader in *every* round is pruned too: were it in truth no
    slower, that would happen with chance at most ``2**-5`` (3%) whatever the noise, and these looks are
    nested, so the bound holds for the race (a long shape's slow candidates, ``math`` at T=4096 with
-   gradients, are timed five times, not eight). One whose interval lies within
+   gradients, are timed five or six times, not eight). One whose interval lies within
    ``1 +- tie`` (3%) is a *tie* (either serves). The rounds stop when every rival of the leader
    is pruned or tied, or when the timed calls after the first eight rounds (which always run:
    slow candidates are pruned there) have used ``budget_s`` (2 s), or after ``max_rounds``
@@ -75,6 +76,8 @@ import functools
 import logging
 import math
 import os
+import random
+import sys
 import threading
 import time
 import warnings
@@ -258,7 +261,7 @@ class Selector:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"gross": 2.0, "gross_rounds": 5, "progress": None, **state})  # older pickles lack these
         self._lock = threading.Lock()
         self._sites = weakref.WeakSet()
 
@@ -420,7 +423,6 @@ class Selector:
             names = [n for n in names if n != twin]
             rejected[twin] = ("runs the same kernel as sdpa for these inputs (PyTorch's own backend choice): "
                               "checked and timed once, as sdpa")
-            timings.pop(twin, None)
         expected = runs.reference()
         live = []
         for name in names:
@@ -492,8 +494,9 @@ class Selector:
             # never one that is clearly slower than another that may serve (a candidate pruned early keeps a
             # low median from quiet first rounds; one pruned against a leader that the budget then rejected)
             def beaten(n: str) -> bool:
-                return any(o != n and stats.compare(samples[n], samples[o], confidence=self.confidence,
-                                                    tie=self.tie).verdict == "slower" for o in ok)
+                return any(o != n and (stats.compare(samples[n], samples[o], confidence=self.confidence,
+                                                     tie=self.tie).verdict == "slower"
+                                       or self._grossly_slower(samples[n], samples[o])) for o in ok)
 
             pool = [n for n in ok if not beaten(n)] or ok
             choice = min(pool, key=lambda n: timings[n])
@@ -512,9 +515,6 @@ class Selector:
         for name in samples:
             if name != choice and choice in samples:
                 c = stats.compare(samples[name], samples[choice], confidence=self.confidence, tie=self.tie)
-                if not math.isfinite(c.hi) and self._grossly_slower(samples[name], samples[choice]):
-                    # pruned in its first rounds: the range of its per-round ratios (the interval of a lower level)
-                    c = stats.compare(samples[name], samples[choice], confidence=0.9, tie=self.tie)
                 if math.isfinite(c.hi):  # an interval exists (enough paired rounds)
                     ratios[name] = (c.ratio, c.lo, c.hi)
         entry = TuningEntry(choice=choice, timings_ms=timings, peak_bytes=peaks, rejected=rejected,
@@ -531,14 +531,16 @@ class Selector:
         """The restricted SDPA candidate (``sdpa_flash``, ``sdpa_math``, ...) that runs the very kernel plain
         ``sdpa`` picks for these inputs, when both are in the race of the default candidate set (a set the user
         named is timed as named)."""
-        if self.only is not None or "sdpa" not in names:
+        if self.only is not None or "sdpa" not in names or (runs.dropout and runs.call.grad):
+            # (with dropout and gradients a site serves math for any candidate not differentiable twice, sdpa_math
+            # excepted, so there the restricted math kernel is a candidate of its own)
             return None
         twin = same_kernel_as_sdpa(runs.q, runs.k, runs.v, runs.kwargs)
         return twin if twin in names else None
 
     def _race(self, names: list[str], runs: _Runs, timer: Timer,
               rejected: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, str]]:
-        """Time ``names`` in rotating rounds until the leader is separated from (or tied with) every rival.
+        """Time ``names`` in rounds of shuffled order until the leader is separated from (or tied with) every rival.
 
         Returns the seconds per round of each candidate that could be timed (a pruned one's list
         stops at its pruning) and why each pruned candidate was dropped. Candidates that raise are
@@ -548,10 +550,13 @@ class Selector:
         pruned: dict[str, str] = {}
         need = stats.min_pairs(self.confidence)
         spent = 0.0
+        order = random.Random(len(names))  # seeded: a tuning does not depend on the global random state
+        gross_from = max(self.gross_rounds, len(names))
         for round_ in range(self.max_rounds):
             racing = [n for n in samples if n not in pruned]
-            turn = round_ % len(racing) if racing else 0
-            for name in racing[turn:] + racing[:turn]:  # rotate: no candidate always runs after the same one
+            turn = racing[:]
+            order.shuffle(turn)  # a new order every round: no candidate always runs after the same one
+            for name in turn:
                 try:
                     seconds = float(timer(name, runs.runner(name)))
                 except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
@@ -565,7 +570,7 @@ class Selector:
             if round_ + 1 < need:
                 # never decide on fewer rounds than can show anything (8 at 99%), but stop timing a candidate
                 # that ran more than ``gross`` times slower than the leader in each of its first rounds
-                if round_ + 1 >= self.gross_rounds and len(racing) > 1:
+                if round_ + 1 >= gross_from and len(racing) > 1:
                     self._prune_gross(racing, samples, pruned)
                     if sum(n not in pruned for n in samples) <= 1:
                         break
@@ -602,6 +607,16 @@ class Selector:
                 pruned[name] = (f"slower than {leader} by more than {self.gross:g}x in each of its {len(times)} "
                                 f"rounds (at least x{least:.3g}); not timed further")
 
+    def _runner_up(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]]) -> str | None:
+        """The rival closest to ``choice`` by its paired ratio to it (the median of the per-round ratios: load that
+        changes during the race moves both alike, where a median of a candidate pruned in quiet early rounds
+        does not), of those not pruned as grossly slower than it; None when every rival was."""
+        close = [n for n in rivals if n != choice and not self._grossly_slower(samples[n], samples[choice])]
+        if not close:
+            return None
+        return min(close, key=lambda n: stats.compare(samples[n], samples[choice], confidence=self.confidence,
+                                                      tie=self.tie).ratio)
+
     def _grossly_slower(self, x: list[float], y: list[float]) -> bool:
         """``x`` ran more than ``gross`` times ``y`` in every paired round, over at least ``gross_rounds``."""
         n = min(len(x), len(y))
@@ -615,7 +630,8 @@ class Selector:
         come out by luck (two equal candidates end "separated" in several percent of races). One comparison on
         rounds the race did not see is a single look: at ``confidence`` it is wrong that often at most. A
         verdict the fresh rounds do not confirm is provisional."""
-        runner = min((n for n in rivals if n != choice), key=lambda n: stats.quartiles(samples[n])[1])
+        runner = self._runner_up(choice, rivals, samples)
+        assert runner is not None  # a "faster than the runner-up" verdict names one
         fresh: dict[str, list[float]] = {choice: [], runner: []}
         need = stats.min_pairs(self.confidence)
         # rounds until half the budget of timed calls is spent (at least 8, at most max_rounds): a count fixed by
@@ -656,14 +672,15 @@ class Selector:
                               f"{level} over {c.n} rounds, within a budget of {self.budget_s:g} s of timed calls); "
                               "timed again by the next process or attnopt.tune"), False
             verdicts[name] = c
-        name = rivals[0]
+        name = self._runner_up(choice, rivals, samples)
+        if name is None:  # every rival grossly slower in each of its first rounds
+            name = rivals[0]
+            return False, (f"{prefix}faster than the runner-up {name}, which ran more than {self.gross:g}x slower in "
+                           f"each of its {verdicts[name].n} rounds"), False
         c = verdicts[name]
         if c.verdict == "tie":
             return False, (f"{prefix}tied with {name} within {self.tie:.0%} ({name}/{choice} {c.describe()} at {level} "
                            f"over {c.n} rounds); either serves"), False
-        if c.verdict != "slower":  # grossly slower in each of its first rounds
-            return False, (f"{prefix}faster than the runner-up {name}, which ran more than {self.gross:g}x slower in "
-                           f"each of its {c.n} rounds"), False
         return False, (f"{prefix}faster than the runner-up {name}: {name}/{choice} {c.describe()} at {level} "
                        f"over {c.n} rounds"), True
 
@@ -677,12 +694,30 @@ def _progress(key: ShapeKey, show: bool | None) -> Iterator[Callable[[str], None
         return
     from tqdm.auto import tqdm
 
+    if sys.stderr is None:  # pythonw, some services: nowhere to show it
+        yield lambda name: None
+        return
     bar = tqdm(desc=f"attnopt: tuning {key.describe()}", unit=" calls", delay=2.0, leave=False,
                disable=None if show is None else False)
+    broken = []
+
+    def tick(name: str) -> None:
+        if broken:
+            return
+        try:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+        except Exception as e:  # noqa: BLE001 - a progress display never counts against a candidate
+            broken.append(e)
+            log.info("the tuning's progress counter failed (%r); tuning goes on without it", e)
+
     try:
-        yield lambda name: (bar.set_postfix_str(name, refresh=False), bar.update(1))  # type: ignore[func-returns-value]
+        yield tick
     finally:
-        bar.close()
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 - as above
+            pass
 
 
 def _load() -> float | None:
