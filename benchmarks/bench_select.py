@@ -11,8 +11,9 @@ fp32, eval, no_grad, CPU (or ``--device cuda``). For every point (B, T):
 * every registered candidate that can serve the block on this device, forced with
   ``attnopt.optimize(block, variant=name)``.
 
-All are timed in alternation in this one process (medians of ``--repeats`` rounds of the whole
-block forward). ``regret = time(auto) / min(time(candidate))``; the target is <= 1.05 at every
+All are timed in alternation in this one process (``--repeats`` rounds of the whole block forward,
+in an order shuffled every round). ``regret`` is the median over rounds of ``time(auto) /
+time(best)``, the best being the candidate with the lowest median; the target is <= 1.05 at every
 point. A candidate whose (B, H, T, T) score tensors would not fit ``--max-scores-gib`` is not run
 at that point and is listed as skipped (the plain path at B=8, T=4096 needs ~19 GiB). The peak
 memory per candidate is the selector's own measurement of one attention call. At
@@ -37,10 +38,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -125,14 +128,17 @@ def run_point(block: torch.nn.Module, b: int, t: int, names: list[str], args: ar
     probe = time_alternating(fns, (x,), repeats=1, warmup=0)
     per_round = sum(probe.values())
     repeats = max(3, min(args.repeats, int(args.max_round_s / max(per_round, 1e-9))))
-    times = time_alternating(fns, (x,), repeats=repeats, warmup=0)
+    with torch.no_grad():
+        times, rounds = quiet_times({n: functools.partial(f, x) for n, f in fns.items()}, repeats, warmup=0,
+                                    shuffle=True)
     entries = [e for r in attnopt.explain(fns["auto"]).records for e in r.extra.get("tuning", {}).values()]
     entry = entries[0]
     best_name = min(run, key=lambda n: times[n])
     return {
         "batch": b, "seq_len": t, "repeats": repeats, "choice": entry.choice,
         "auto_ms": times["auto"] * 1e3, "best": best_name, "best_ms": times[best_name] * 1e3,
-        "regret": times["auto"] / times[best_name],
+        # the median of the per-round ratios: what a round shares (load, a cold cache) cancels
+        "regret": statistics.median(a / b for a, b in zip(rounds["auto"], rounds[best_name])),
         "candidates_ms": {n: times[n] * 1e3 for n in run},
         "skipped": skipped,
         "tuning_s": entry.tuning_s, "first_call_s": first_auto_s,
@@ -201,11 +207,14 @@ def noisy_trial(b: int, t: int, names: list[str], args: argparse.Namespace, cach
             "regret": regret(stored.choice), "old_rule_choice": old, "old_rule_regret": regret(old)}
 
 
-def quiet_times(fns: dict[str, Any], repeats: int, warmup: int = 2) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Medians and per-round seconds of ``fns``, timed in rounds whose order rotates (``a b c``, ``b c a``, ...):
-    in a fixed order each candidate always runs after the same one (``sdpa`` after ``math``, whose score tensors
-    have just left the cache), which once made one kernel measure 13% slower than itself restricted."""
+def quiet_times(fns: dict[str, Any], repeats: int, warmup: int = 2,
+                shuffle: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Medians and per-round seconds of ``fns``, timed in rounds whose order rotates (``a b c``, ``b c a``, ...),
+    or with ``shuffle`` is drawn afresh every round (seeded): in a fixed order each candidate always runs after
+    the same one (``sdpa`` after ``math``, whose score tensors have just left the cache), which once made one
+    kernel measure 13% slower than itself restricted; a rotation still keeps most neighbours."""
     names = list(fns)
+    rng = random.Random(0)
     for _ in range(warmup):
         for n in names:
             fns[n]()
@@ -213,7 +222,8 @@ def quiet_times(fns: dict[str, Any], repeats: int, warmup: int = 2) -> tuple[dic
     with torch.no_grad():
         for r in range(repeats):
             turn = r % len(names)
-            for n in names[turn:] + names[:turn]:
+            order = rng.sample(names, len(names)) if shuffle else names[turn:] + names[:turn]
+            for n in order:
                 t0 = time.perf_counter()
                 fns[n]()
                 rounds[n].append(time.perf_counter() - t0)
@@ -340,8 +350,9 @@ def render(r: dict[str, Any]) -> str:
     bud = r["budget"]
     return "\n".join([
         f"# Selector sweep ({r['device']}, {r['machine']}, {r['threads']} threads, torch {r['torch']})", "",
-        f"Command: `{r['command']}`. Whole-block forward, medians of alternating rounds; regret = auto / best "
-        f"candidate (target <= 1.05). 1-min load: {r['load_before']:.2f} before, {r['load_after']:.2f} after.", "",
+        f"Command: `{r['command']}`. Whole-block forward, alternating rounds in shuffled order; regret = the "
+        f"median of the per-round ratios auto / best candidate (target <= 1.05). 1-min load: "
+        f"{r['load_before']:.2f} before, {r['load_after']:.2f} after.", "",
         table, "", f"Worst regret: **{worst:.3f}**.", "",
         "Peak memory of one attention call per candidate, as the selector measured it while tuning "
         "(`-`: pruned, clearly slower than the best over several rounds, so not measured):", "", mem, "",

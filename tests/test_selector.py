@@ -918,3 +918,21 @@ def test_tune_without_progress_hides_the_tunings_counters_too(tmp_path, monkeypa
     opt = attnopt.optimize(block, selector=sel)
     attnopt.tune(opt, [(torch.randn(1, 8, 32),)], progress=False)
     assert not any(d and d.startswith("attnopt: tuning") for d in made) and sel.progress is None
+
+
+def test_math_is_the_reference_so_the_reference_run_is_its_check(tmp_path, monkeypatch):
+    from attnopt.selection import selector as sel_mod
+
+    checked = []
+    real = sel_mod._Runs.check
+    monkeypatch.setattr(sel_mod._Runs, "check", lambda self, name, expected: checked.append(name) or real(
+        self, name, expected))
+    clock = FakeClock({"math": 2.0, "sdpa": 1.0})
+    entry = _choose(_selector(clock, tmp_path, names=["math", "sdpa"]), _call(grad=True))
+    assert checked == ["sdpa"] and "math" in clock.timed and "math" not in entry.rejected
+    # a math registered by the user is not the reference: it is checked
+    _register(monkeypatch, "math", lambda q, k, v, **kw: reference_attention(q, k, v, **kw) * 1.01)
+    checked.clear()
+    entry = _choose(_selector(FakeClock({"math": 0.5, "sdpa": 1.0}), tmp_path / "user", names=["math", "sdpa"]),
+                    _call())
+    assert "math" in checked and entry.choice == "sdpa" and "differs" in entry.rejected["math"]
