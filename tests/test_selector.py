@@ -125,6 +125,9 @@ def test_slow_candidates_are_pruned_after_several_rounds_never_one(tmp_path):
     assert clock.timed.count("sdpa") == clock.timed.count("sdpa_flash") == 16
     assert entry.choice == "sdpa" and "confirmed on 8 fresh rounds (sdpa_flash/sdpa x1.1" in entry.decision
     assert entry.pruned["math"].startswith("slower than sdpa by more than 2x in each of its 5 rounds (at least x10)")
+    from attnopt.selection.selector import format_timings
+
+    assert "math 1e+04 ms (pruned: at least x10 in each of 5 rounds)" in format_timings(entry)
     assert entry.pruned["sdpa_math"].startswith("slower than sdpa by x1.5 [1.5, 1.5] over 8 rounds")
     assert entry.rounds == {"math": 5, "sdpa": 8, "sdpa_flash": 8, "sdpa_math": 8}
 

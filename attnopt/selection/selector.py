@@ -78,6 +78,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -746,6 +747,10 @@ def _rank() -> int | None:
     return None
 
 
+#: the reason :meth:`Selector._prune_gross` gives: its rounds and the least per-round ratio
+_GROSS_REASON = re.compile(r"in each of its (\d+) rounds \(at least x([^)]+)\)")
+
+
 def format_timings(entry: TuningEntry, limit: int = 8) -> str:
     """The measurements of one entry for explain(), fastest first::
 
@@ -776,7 +781,8 @@ def format_timings(entry: TuningEntry, limit: int = 8) -> str:
             r, lo, hi = entry.ratios[name]
             notes.append(f"x{r:.3g} [{lo:.3g}, {hi:.3g}]")
         if name in entry.pruned:
-            notes.append("pruned")
+            gross = _GROSS_REASON.search(entry.pruned[name])
+            notes.append(f"pruned: at least x{gross[2]} in each of {gross[1]} rounds" if gross else "pruned")
         if name in entry.peak_bytes:
             notes.append(f"{entry.peak_bytes[name] / 2**20:.3g} MiB")
         parts.append(f"{name} {ms:.3g} ms" + ("*" if name == entry.choice else "")
