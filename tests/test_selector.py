@@ -939,3 +939,31 @@ def test_math_is_the_reference_so_the_reference_run_is_its_check(tmp_path, monke
     entry = _choose(_selector(FakeClock({"math": 0.5, "sdpa": 1.0}), tmp_path / "user", names=["math", "sdpa"]),
                     _call())
     assert "math" in checked and entry.choice == "sdpa" and "differs" in entry.rejected["math"]
+
+
+def test_candidates_that_write_out_large_scores_are_not_timed_where_others_serve(tmp_path):
+    call = _call()  # scores (2, 4, 16, 16) in float32: 8 KiB per copy
+    clock = FakeClock({}, default=1.0)
+    sel = Selector(timer=clock.timer, memory=clock.memory, cache=TuningCache(tmp_path), max_scores=4096)
+    entry = _choose(sel, call)
+    for name in ("math", "sdpa_math"):
+        assert name not in clock.timed and "would write out 0 MiB of scores per call" in entry.rejected[name]
+    assert "sdpa" in clock.timed and any(n.startswith("tiled") for n in clock.timed)
+    # the scores within the limit, no limit, or a candidate set the user named: timed
+    for kw in ({"max_scores": 8192}, {"max_scores": None}):
+        clock = FakeClock({}, default=1.0)
+        _choose(Selector(timer=clock.timer, memory=clock.memory, cache=False, **kw), call)
+        assert {"math", "sdpa_math"} <= set(clock.timed), kw
+    clock = FakeClock({}, default=1.0)
+    _choose(Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=4096,
+                     candidates=["math", "sdpa"]), call)
+    assert "math" in clock.timed
+
+
+def test_where_only_candidates_that_write_out_scores_serve_they_are_timed(monkeypatch):
+    # a score modifier: SDPA cannot serve; were the tiled kernels unavailable, math must still be timed
+    clock = FakeClock({}, default=1.0)
+    sel = Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=1)
+    monkeypatch.setattr(sel, "legal", lambda spec, device: (["math", "sdpa_math"], {}))
+    entry = _choose(sel)
+    assert {"math", "sdpa_math"} <= set(clock.timed) and entry.choice in ("math", "sdpa_math")

@@ -67,7 +67,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
                                      "softmax(scale * q @ k^T + mask) @ v written out", windowed=True,
-                                     every_shape=True))
+                                     every_shape=True, materialises=True))
 
 
 #: ``(atol, rtol)`` per output dtype. fp32 allows for a fused kernel's other summation order over long key

@@ -62,6 +62,8 @@ class FunctionCandidate:
     description: str = ""
     devices: tuple[str, ...] = ()  # device types it runs on; empty: any
     costly: bool = False  # compiles per shape (seconds): the selector tries it only where nothing cheaper serves
+    #: writes out the (B, H, Tq, Tk) scores: the selector does not time it where those are large (``max_scores``)
+    materialises: bool = False
     windowed: bool = False  # takes ``window=`` itself (else the window arrives as a bool mask)
     #: computes the same function at every shape by construction (no code generated or picked per shape), so a
     #: check at one shape speaks for a graph compiled for all shapes; see :func:`checked_at_every_shape`

@@ -59,7 +59,7 @@ for _name, _backend, _devices in (("sdpa_flash", "FLASH_ATTENTION", ("cpu", "cud
     if hasattr(SDPBackend, _backend):
         register_candidate(FunctionCandidate(_name, _restricted(getattr(SDPBackend, _backend)), _sdpa_supports,
                                              f"SDPA restricted to its {_backend.lower()} backend", _devices,
-                                             every_shape=True))
+                                             every_shape=True, materialises=_backend == "MATH"))
 
 
 _BACKEND_CANDIDATE = {"FLASH_ATTENTION": "sdpa_flash", "MATH": "sdpa_math", "EFFICIENT_ATTENTION": "sdpa_efficient",

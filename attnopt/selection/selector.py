@@ -18,7 +18,11 @@ Tuning one key (:meth:`Selector.tune`):
    are tried only where no SDPA candidate serves, e.g. score modifiers. Of the default set, the
    restricted SDPA candidate whose backend plain ``sdpa`` picks for the call's inputs (PyTorch's own
    choice: ``sdpa_flash`` for most CPU calls) is the same kernel, so it is checked and timed once, as
-   ``sdpa`` (:func:`attnopt.kernels.sdpa.same_kernel_as_sdpa`).
+   ``sdpa`` (:func:`attnopt.kernels.sdpa.same_kernel_as_sdpa`). Of the default set too, the candidates
+   that write out the ``(B, H, Tq, Tk)`` scores (``math``, ``sdpa_math``) are not timed where one copy of
+   them is over ``max_scores`` (512 MiB: T=4096 at B=1 with 12 heads in float32) and a candidate that
+   never holds them serves: every round would write and read that tensor, and it may not fit beside the
+   model's own.
 2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
    site's real mask (its pattern is part of the function).
 3. *Check*: each candidate's output (and, when gradients are needed, its q/k/v gradients)
@@ -106,6 +110,10 @@ log = logging.getLogger(__name__)
 Timer = Callable[[str, Callable[[], Any]], float]
 #: ``memory(candidate_name, run) -> bytes`` of peak tensor memory during one call of ``run``.
 MemoryMeter = Callable[[str, Callable[[], Any]], int]
+
+
+#: ``Selector(max_scores=...)``'s default, in bytes
+_MAX_SCORES = 512 * 2**20
 
 
 def length_bucket(n: int) -> int:
@@ -212,13 +220,16 @@ class Selector:
             ``gross_rounds`` rounds (2.0, 5) is timed no further (see the module docstring).
         progress: a counter of the timed calls for a tuning that runs over two seconds: None (on a terminal),
             True (always) or False (never).
+        max_scores: of the default candidates, those that write out the (B, H, Tq, Tk) scores (``math``,
+            ``sdpa_math``) are not timed where one copy of them would be larger ("512MiB"; None: always timed),
+            as long as a candidate that never holds them serves.
     """
 
     def __init__(self, *, timer: Timer | None = None, memory: MemoryMeter | None = None,
                  memory_budget: int | str | None = None, cache: TuningCache | None | bool = True,
                  candidates: list[str] | None = None, confidence: float = 0.99, tie: float = 0.03,
                  budget_s: float = 2.0, max_rounds: int = 200, gross: float = 2.0, gross_rounds: int = 5,
-                 progress: bool | None = None):
+                 progress: bool | None = None, max_scores: int | str | None = "512MiB"):  # = _MAX_SCORES
         if not 0.5 < confidence < 1:
             raise ValueError(f"confidence must be a level between 0.5 and 1 (e.g. 0.99), got {confidence!r}")
         if not 0 <= tie < 0.5:
@@ -247,6 +258,7 @@ class Selector:
         self.gross = gross
         self.gross_rounds = gross_rounds
         self.progress = progress
+        self.max_scores = parse_bytes(max_scores)
         self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
         #: True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`
         self.collective = False
@@ -263,7 +275,8 @@ class Selector:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"gross": 2.0, "gross_rounds": 5, "progress": None, **state})  # older pickles lack these
+        self.__dict__.update({"gross": 2.0, "gross_rounds": 5, "progress": None, "max_scores": _MAX_SCORES,
+                              **state})  # older pickles lack these
         self._lock = threading.Lock()
         self._sites = weakref.WeakSet()
 
@@ -349,7 +362,10 @@ class Selector:
     def _cache_key(self, spec: AttentionSpec, key: ShapeKey, names: list[str], device: torch.device) -> dict:
         """The tuning cache's key of ``key``'s entry: the shape key, the spec, the budget, the candidate set."""
         assert self.cache is not None
-        return self.cache.key({**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget}, names, device)
+        shape = {**key.as_dict(), "spec": repr(spec), "budget": self.memory_budget}
+        if self.max_scores != _MAX_SCORES:  # (the default's entries keep the key they always had)
+            shape["max_scores"] = self.max_scores
+        return self.cache.key(shape, names, device)
 
     def retime_provisional(self) -> int:
         """Forget this process's provisional choices, so their keys are timed again on their next call;
@@ -420,6 +436,7 @@ class Selector:
         timings = {name: math.inf for name in names}
         peaks: dict[str, int] = {}
         runs = _Runs(call, spec)
+        names = self._without_large_scores(names, runs, rejected)
         twin = self._twin_of_sdpa(names, runs)
         if twin is not None:  # one kernel: checked and timed once, as sdpa (the restricted one adds a context manager)
             names = [n for n in names if n != twin]
@@ -531,6 +548,22 @@ class Selector:
                             load=tuple(x for x in (load_before, _load()) if x is not None))
         log.info("tuned %s: %s (%s)", key.describe(), choice, format_timings(entry))
         return entry
+
+    def _without_large_scores(self, names: list[str], runs: _Runs, rejected: dict[str, str]) -> list[str]:
+        """``names`` without the default candidates that write out the scores, where one copy of them is over
+        ``max_scores`` and a candidate that never holds them serves (a 6 GiB tensor per call takes seconds to write
+        and read, in every one of the rounds, and may not fit beside the model's own tensors)."""
+        if self.only is not None or self.max_scores is None:
+            return names
+        q, k = runs.q, runs.k
+        size = q.size(0) * q.size(1) * q.size(2) * k.size(2) * q.element_size()
+        large = [n for n in names if getattr(get_candidate(n), "materialises", False)]
+        if size <= self.max_scores or not large or len(large) == len(names):
+            return names
+        for n in large:
+            rejected[n] = (f"would write out {size / 2**20:.0f} MiB of scores per call (over max_scores, "
+                           f"{self.max_scores / 2**20:.0f} MiB): not timed, as candidates that never hold them serve")
+        return [n for n in names if n not in large]
 
     def _twin_of_sdpa(self, names: list[str], runs: _Runs) -> str | None:
         """The restricted SDPA candidate (``sdpa_flash``, ``sdpa_math``, ...) that runs the very kernel plain
