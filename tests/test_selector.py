@@ -967,3 +967,58 @@ def test_where_only_candidates_that_write_out_scores_serve_they_are_timed(monkey
     monkeypatch.setattr(sel, "legal", lambda spec, device: (["math", "sdpa_math"], {}))
     entry = _choose(sel)
     assert {"math", "sdpa_math"} <= set(clock.timed) and entry.choice in ("math", "sdpa_math")
+
+
+def test_where_no_other_candidate_passes_the_large_score_ones_are_checked_and_timed_after_all(monkeypatch):
+    _register(monkeypatch, "wrong", lambda q, k, v, **kw: reference_attention(q, k, v, **kw) * 1.01)
+    clock = FakeClock({"sdpa_math": 0.5, "math": 1.0, "wrong": 0.1})
+    sel = Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=1)
+    monkeypatch.setattr(sel, "legal", lambda spec, device: (["math", "sdpa_math", "wrong"], {}))
+    entry = _choose(sel)
+    assert entry.choice == "sdpa_math" and {"math", "sdpa_math"} <= set(clock.timed), entry.decision
+    assert set(entry.rejected) == {"wrong"} and "differs" in entry.rejected["wrong"]
+
+
+def test_sdpa_on_its_math_backend_counts_as_writing_out_the_scores(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: int(SDPBackend.MATH.value))
+    clock = FakeClock({}, default=1.0)
+    entry = _choose(Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=1))
+    assert not {"sdpa", "math", "sdpa_math"} & set(clock.timed) and "would write out" in entry.rejected["sdpa"]
+    assert entry.choice in ("sdpa_flash", "tiled64", "tiled128", "tiled256")
+
+
+def test_with_dropout_and_gradients_only_what_a_site_serves_as_chosen_is_raced():
+    clock = FakeClock({}, default=1.0)
+    call = _call(grad=True)
+    call.kwargs["dropout_p"] = 0.1
+    key = shape_key(SPEC, call.q, call.k, call.v, causal=True, mask=None, dropout=True, grad=True)
+    entry = Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=1).choose(SPEC, key, call)
+    assert set(clock.timed) == {"math", "sdpa_math"} and entry.choice in ("math", "sdpa_math")
+    assert "serves math in its place" in entry.rejected["sdpa"]
+
+
+def test_the_score_size_is_the_length_buckets(tmp_path):
+    # T=9 lies in the bucket up to 16, whose scores (2, 4, 16, 16) in float32 are 8 KiB: over a 4 KiB limit
+    clock = FakeClock({"math": 0.1}, default=1.0)
+    entry = _choose(Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=4096), _call(t=9))
+    assert "math" not in clock.timed and entry.choice != "math"
+
+
+def test_bad_max_scores_errors_name_the_option():
+    with pytest.raises(ValueError, match="max_scores"):
+        Selector(cache=False, max_scores=0)
+    with pytest.raises(TypeError, match="max_scores"):
+        Selector(cache=False, max_scores=1.5e9)
+
+
+def test_only_the_registered_math_is_taken_for_the_reference(monkeypatch):
+    class Rounded(FunctionCandidate):
+        def __call__(self, q, k, v, **kw):  # the reference's function, computed in bfloat16
+            return reference_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw).float()
+
+    monkeypatch.setitem(cand_mod._REGISTRY, "math_bf16", Rounded("math_bf16", reference_attention, lambda spec: None))
+    clock = FakeClock({"math_bf16": 0.1, "sdpa": 1.0})
+    entry = _choose(Selector(timer=clock.timer, memory=clock.memory, cache=False, candidates=["math_bf16", "sdpa"]))
+    assert entry.choice == "sdpa" and "differs" in entry.rejected["math_bf16"]

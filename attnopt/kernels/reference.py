@@ -65,7 +65,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return probs @ v
 
 
-register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
+#: the registered ``math`` candidate: the reference computation itself (the selector's reference run is its check)
+MATH = register_candidate(FunctionCandidate("math", reference_attention, lambda spec: None,
                                      "softmax(scale * q @ k^T + mask) @ v written out", windowed=True,
                                      every_shape=True, materialises=True))
 

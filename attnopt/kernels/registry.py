@@ -85,6 +85,11 @@ class FunctionCandidate:
 
 _REGISTRY: dict[str, Candidate] = {}
 
+#: Candidates whose autograd graph is plain PyTorch, differentiable any number of times: with dropout and
+#: gradients a site serves ``math`` for any other (the dropout mask must be part of a graph autograd can
+#: differentiate again), so only these are raced for such calls.
+TWICE_DIFFERENTIABLE = frozenset(("math", "sdpa_math"))
+
 
 def register_candidate(candidate: Candidate) -> Candidate:
     """Add ``candidate`` to the registry under ``candidate.name`` (replacing any of that name)."""

@@ -63,7 +63,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..env import AUTO
 from ..kernels.reference import reference_attention, tolerance
-from ..kernels.registry import checked_at_every_shape, get_candidate
+from ..kernels.registry import TWICE_DIFFERENTIABLE, checked_at_every_shape, get_candidate
 from ..selection.selector import Call, length_bucket, shape_key
 from ..spec import AttentionSpec
 from .autograd import recomputable
@@ -72,7 +72,7 @@ from .guards import is_tracing
 log = logging.getLogger(__name__)
 
 #: Candidates whose autograd graph is plain PyTorch, differentiable any number of times.
-_TWICE_DIFFERENTIABLE = frozenset(("math", "sdpa_math"))
+_TWICE_DIFFERENTIABLE = TWICE_DIFFERENTIABLE
 
 #: Entries a per-call table keeps before it starts again (e.g. one entry per decode length).
 _TABLE_LIMIT = 4096

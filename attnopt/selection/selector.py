@@ -20,9 +20,12 @@ Tuning one key (:meth:`Selector.tune`):
    choice: ``sdpa_flash`` for most CPU calls) is the same kernel, so it is checked and timed once, as
    ``sdpa`` (:func:`attnopt.kernels.sdpa.same_kernel_as_sdpa`). Of the default set too, the candidates
    that write out the ``(B, H, Tq, Tk)`` scores (``math``, ``sdpa_math``) are not timed where one copy of
-   them is over ``max_scores`` (512 MiB: T=4096 at B=1 with 12 heads in float32) and a candidate that
-   never holds them serves: every round would write and read that tensor, and it may not fit beside the
-   model's own.
+   them, at the bucket's longest lengths, is over ``max_scores`` (512 MiB: T=4096 at B=1 with 12 heads in
+   float32) and a candidate that never holds them serves (``sdpa`` counts as holding them where its own
+   choice is its math backend): every round would write and read that tensor, and it may not fit beside
+   the model's own. Where none of the others passes its check, they are checked and timed after all.
+   With dropout and gradients only ``math`` and ``sdpa_math`` are raced: a site serves ``math`` in place
+   of any other there (:mod:`attnopt.runtime.dispatch`).
 2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
    site's real mask (its pattern is part of the function).
 3. *Check*: each candidate's output (and, when gradients are needed, its q/k/v gradients)
@@ -96,8 +99,8 @@ from typing import Any
 import torch
 
 from ..env import parse_bytes
-from ..kernels.reference import reference_attention, tolerance
-from ..kernels.registry import candidate_names, get_candidate
+from ..kernels.reference import MATH, reference_attention, tolerance
+from ..kernels.registry import TWICE_DIFFERENTIABLE, candidate_names, get_candidate
 from ..kernels.sdpa import same_kernel_as_sdpa
 from ..spec import AttentionSpec
 from . import stats
@@ -258,7 +261,7 @@ class Selector:
         self.gross = gross
         self.gross_rounds = gross_rounds
         self.progress = progress
-        self.max_scores = parse_bytes(max_scores)
+        self.max_scores = parse_bytes(max_scores, "max_scores")
         self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
         #: True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`
         self.collective = False
@@ -436,6 +439,13 @@ class Selector:
         timings = {name: math.inf for name in names}
         peaks: dict[str, int] = {}
         runs = _Runs(call, spec)
+        if runs.dropout and runs.call.grad and any(n in TWICE_DIFFERENTIABLE for n in names):
+            for n in names:
+                if n not in TWICE_DIFFERENTIABLE:
+                    rejected[n] = ("with dropout and gradients a site serves math in its place (its dropout mask must "
+                                   "be part of a graph autograd can differentiate again): not timed")
+            names = [n for n in names if n in TWICE_DIFFERENTIABLE]
+        full = list(names)
         names = self._without_large_scores(names, runs, rejected)
         twin = self._twin_of_sdpa(names, runs)
         if twin is not None:  # one kernel: checked and timed once, as sdpa (the restricted one adds a context manager)
@@ -443,19 +453,28 @@ class Selector:
             rejected[twin] = ("runs the same kernel as sdpa for these inputs (PyTorch's own backend choice): "
                               "checked and timed once, as sdpa")
         expected = runs.reference()
-        live = []
-        for name in names:
-            if getattr(get_candidate(name), "fn", None) is reference_attention and "window" not in runs.kwargs:
-                live.append(name)  # the reference run was this very call: its check (and its warm-up)
-                continue
-            try:
-                problem = runs.check(name, expected)
-            except Exception as e:  # noqa: BLE001 - a raising candidate scores infinity
-                problem = _raised(e)
-            if problem:
-                rejected[name] = problem
-            else:
-                live.append(name)
+        live: list[str] = []
+
+        def check(names_: list[str]) -> None:
+            for name in names_:
+                if get_candidate(name) is MATH and "window" not in runs.kwargs:
+                    live.append(name)  # the reference run was this very call: its check (and its warm-up)
+                    continue
+                try:
+                    problem = runs.check(name, expected)
+                except Exception as e:  # noqa: BLE001 - a raising candidate scores infinity
+                    problem = _raised(e)
+                if problem:
+                    rejected[name] = problem
+                else:
+                    live.append(name)
+
+        check(names)
+        kept_out = [n for n in full if n not in names and n != twin]
+        if kept_out and not any(n not in kept_out for n in live):  # none of the others passed: those are in again
+            for n in kept_out:
+                rejected.pop(n, None)
+            check(kept_out)
         if runs.dropout:
             for name in list(live):  # one untimed warm-up each (the check ran without dropout)
                 try:
@@ -510,7 +529,7 @@ class Selector:
             ok = fits
         if not ok:
             choice = "math"
-            rejected.setdefault("math", "no candidate passed; the reference computation runs")
+            rejected["math"] = "no candidate passed; the reference computation runs"
             provisional, decision = False, "no candidate passed its check; the reference computation runs"
         else:
             # never one that is clearly slower than another that may serve (a candidate pruned early keeps a
@@ -556,9 +575,15 @@ class Selector:
         if self.only is not None or self.max_scores is None:
             return names
         q, k = runs.q, runs.k
-        size = q.size(0) * q.size(1) * q.size(2) * k.size(2) * q.element_size()
+        # at the bucket's longest lengths: the entry serves every call of the bucket
+        size = q.size(0) * q.size(1) * length_bucket(q.size(2)) * length_bucket(k.size(2)) * q.element_size()
+        if size <= self.max_scores:
+            return names
         large = [n for n in names if getattr(get_candidate(n), "materialises", False)]
-        if size <= self.max_scores or not large or len(large) == len(names):
+        if "sdpa" in names and getattr(get_candidate(same_kernel_as_sdpa(q, k, runs.v, runs.kwargs) or "sdpa"),
+                                       "materialises", False):
+            large.append("sdpa")  # SDPA's own choice is its math backend here (a mask with a gradient, dropout)
+        if not large or len(large) == len(names):
             return names
         for n in large:
             rejected[n] = (f"would write out {size / 2**20:.0f} MiB of scores per call (over max_scores, "
