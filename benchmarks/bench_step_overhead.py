@@ -4,7 +4,7 @@
     python benchmarks/bench_step_overhead.py --seq-lens 64 --modes forward --variant auto
 
 Times ``attnopt.optimize(block)`` against the same block hand-written with SDPA
-(``attnopt.models.SDPACausalSelfAttention``, shared weights) and against that block under
+(``attnopt.models.SDPACausalSelfAttention``, sharing the very weight tensors) and against that block under
 ``torch.compile(backend="eager")`` (dynamo's own per-call cost with no rewrite: the floor for any
 dynamo-based optimizer), alternating the three in one process: a forward under ``no_grad`` and a
 training step (forward + backward). Prints medians and the ratio ``time(SDPA block) / time(attnopt)``
@@ -40,14 +40,20 @@ VARIANTS = ("attnopt", "sdpa", "dynamo floor")
 
 
 def build(seq_len: int, variant: str, seed: int = 0) -> dict[str, torch.nn.Module]:
-    """The three variants with shared weights, in eval mode (dropout 0)."""
+    """The three variants, in eval mode (dropout 0), sharing the very same weight tensors.
+
+    Shared, not copied: at T=1 the block is two GEMVs that stream the weights, so separate copies of equal
+    weights (placed apart in memory: other pages, huge or not) made the variants' GEMMs differ by up to 20% in
+    alternating runs, more than any per-call cost this benchmark measures."""
     torch.manual_seed(seed)
     cfg = GPTConfig(n_embd=768, n_head=12, block_size=max(256, seq_len), dropout=0.0)
     block = CausalSelfAttention(cfg).eval()
     sdpa = SDPACausalSelfAttention(cfg).eval()
-    sdpa.load_state_dict(block.state_dict())
     floor = SDPACausalSelfAttention(cfg).eval()
-    floor.load_state_dict(block.state_dict())
+    for other in (sdpa, floor):
+        for layer in ("c_attn", "c_proj"):
+            for name in ("weight", "bias"):
+                setattr(getattr(other, layer), name, getattr(getattr(block, layer), name))
     return {"attnopt": attnopt.optimize(block, variant=variant), "sdpa": sdpa,
             "dynamo floor": torch.compile(floor, backend="eager")}
 
