@@ -25,7 +25,7 @@ Results: ``benchmarks/results/select.json`` and ``select.md``.
 ``--trials``, ``--load-procs`` background processes keep the cores busy (1-thread matmuls) while
 a fresh selector tunes the block's attention call (B, 12 heads, T, 64, causal) into an empty
 tuning cache; then the load stops and every candidate is timed on that call in alternation on
-the quiet machine (``--quiet-repeats`` rounds in rotating order; the regret is the median of the
+the quiet machine (``--quiet-repeats`` rounds in shuffled order; the regret is the median of the
 per-round ratios of the choice to the best). It reports how often the cached choice is more than
 5% slower than the best candidate (target 0), and how many choices came out provisional (those
 would be timed again by the next process)::
@@ -38,12 +38,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import math
 import os
 import platform
-import random
 import shlex
 import statistics
 import subprocess
@@ -128,9 +126,8 @@ def run_point(block: torch.nn.Module, b: int, t: int, names: list[str], args: ar
     probe = time_alternating(fns, (x,), repeats=1, warmup=0)
     per_round = sum(probe.values())
     repeats = max(3, min(args.repeats, int(args.max_round_s / max(per_round, 1e-9))))
-    with torch.no_grad():
-        times, rounds = quiet_times({n: functools.partial(f, x) for n, f in fns.items()}, repeats, warmup=0,
-                                    shuffle=True)
+    rounds: dict[str, list[float]] = {}
+    times = time_alternating(fns, (x,), repeats=repeats, warmup=0, samples=rounds, shuffle=True)
     entries = [e for r in attnopt.explain(fns["auto"]).records for e in r.extra.get("tuning", {}).values()]
     entry = entries[0]
     best_name = min(run, key=lambda n: times[n])
@@ -195,7 +192,8 @@ def noisy_trial(b: int, t: int, names: list[str], args: argparse.Namespace, cach
             proc.wait()
     time.sleep(0.5)
     stored = TuningCache(cache_dir).records()[-1].entry  # what the next process would read
-    quiet, rounds = quiet_times(fns, args.quiet_repeats)
+    rounds: dict[str, list[float]] = {}
+    quiet = time_alternating(fns, (), repeats=args.quiet_repeats, warmup=2, samples=rounds, shuffle=True)
     best = min(quiet, key=quiet.get)
 
     def regret(name: str) -> float:  # the median of the per-round ratios: a round's shared noise cancels
@@ -205,29 +203,6 @@ def noisy_trial(b: int, t: int, names: list[str], args: argparse.Namespace, cach
             "load_during": stored.load[-1] if stored.load else None, "decision": stored.decision,
             "quiet_ms": {n: v * 1e3 for n, v in quiet.items()}, "best": best,
             "regret": regret(stored.choice), "old_rule_choice": old, "old_rule_regret": regret(old)}
-
-
-def quiet_times(fns: dict[str, Any], repeats: int, warmup: int = 2,
-                shuffle: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Medians and per-round seconds of ``fns``, timed in rounds whose order rotates (``a b c``, ``b c a``, ...),
-    or with ``shuffle`` is drawn afresh every round (seeded): in a fixed order each candidate always runs after
-    the same one (``sdpa`` after ``math``, whose score tensors have just left the cache), which once made one
-    kernel measure 13% slower than itself restricted; a rotation still keeps most neighbours."""
-    names = list(fns)
-    rng = random.Random(0)
-    for _ in range(warmup):
-        for n in names:
-            fns[n]()
-    rounds: dict[str, list[float]] = {n: [] for n in names}
-    with torch.no_grad():
-        for r in range(repeats):
-            turn = r % len(names)
-            order = rng.sample(names, len(names)) if shuffle else names[turn:] + names[:turn]
-            for n in order:
-                t0 = time.perf_counter()
-                fns[n]()
-                rounds[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) for n, v in rounds.items()}, rounds
 
 
 def old_rule(fns: dict[str, Any], repeats: int = 7, prune: float = 2.0) -> str:
@@ -283,7 +258,7 @@ def render_noisy(r: dict[str, Any]) -> str:
         f"# Selector under load ({r['device']}, {r['machine']}, {r['threads']} threads, torch {r['torch']})", "",
         f"Command: `{r['command']}`. Tuned while {r['load_procs']} background processes ran 1-thread matmuls, into "
         "an empty cache; then every candidate was timed on the same attention call without the load (alternating "
-        "rounds in rotating order). regret = the median over rounds of the cached choice's time / the best candidate's "
+        "rounds in shuffled order). regret = the median over rounds of the cached choice's time / the best candidate's "
         "(the lowest median).", "", table, "",
         f"Cached choice more than 5% slower than the best: **{len(slow)} of {len(r['trials'])}**"
         + (f" ({len(final_slow)} of them final, {len(slow) - len(final_slow)} provisional, which the next process "

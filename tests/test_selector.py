@@ -1022,3 +1022,18 @@ def test_only_the_registered_math_is_taken_for_the_reference(monkeypatch):
     clock = FakeClock({"math_bf16": 0.1, "sdpa": 1.0})
     entry = _choose(Selector(timer=clock.timer, memory=clock.memory, cache=False, candidates=["math_bf16", "sdpa"]))
     assert entry.choice == "sdpa" and "differs" in entry.rejected["math_bf16"]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_time_alternating_calls_each_once_per_round_in_a_fixed_or_shuffled_order(shuffle):
+    from attnopt.selection.measure import time_alternating
+
+    calls = []
+    fns = {n: (lambda n=n: calls.append(n)) for n in "abcd"}
+    samples: dict[str, list[float]] = {}
+    time_alternating(fns, (), repeats=12, warmup=0, samples=samples, shuffle=shuffle)
+    rounds = [tuple(calls[i:i + 4]) for i in range(0, 48, 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds) and all(len(s) == 12 for s in samples.values())
+    assert (len(set(rounds)) > 1) == shuffle  # shuffled rounds differ; a fixed order never does
+    # after which function each one ran varies once shuffled
+    assert (len({r[r.index("b") - 1] for r in rounds if r.index("b")}) > 1) == shuffle

@@ -71,9 +71,6 @@ from .guards import is_tracing
 
 log = logging.getLogger(__name__)
 
-#: Candidates whose autograd graph is plain PyTorch, differentiable any number of times.
-_TWICE_DIFFERENTIABLE = TWICE_DIFFERENTIABLE
-
 #: Entries a per-call table keeps before it starts again (e.g. one entry per decode length).
 _TABLE_LIMIT = 4096
 
@@ -330,7 +327,7 @@ class DispatchingSite(nn.Module):
         name, why = choice, None
         if choice in self._failed:
             name, why = "math", f"{choice} raised at this site: math"
-        elif grad and kwargs["dropout_p"] > 0 and name not in _TWICE_DIFFERENTIABLE:
+        elif grad and kwargs["dropout_p"] > 0 and name not in TWICE_DIFFERENTIABLE:
             # its dropout mask is part of its own graph, so any backward (double too) is exact
             name, why = "math", "dropout with gradients: math"
         served = self._served_by(name, q, k, v, kwargs, grad)
@@ -341,7 +338,7 @@ class DispatchingSite(nn.Module):
         # the selector's choice, run as chosen, without gradients on the CPU (where a call's time is its wall
         # time, comparable with the tuning's): sampled calls are timed
         observed = key if (name == served == choice and not grad and q.device.type == "cpu") else None
-        plan = _Plan(choice, name, served, get_candidate(served), grad and served not in _TWICE_DIFFERENTIABLE, why,
+        plan = _Plan(choice, name, served, get_candidate(served), grad and served not in TWICE_DIFFERENTIABLE, why,
                      observed)
         if keep:
             if len(self._plans) > _TABLE_LIMIT:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,13 +43,15 @@ def _device_of(inputs: Sequence[Any]) -> torch.device | None:
 
 def time_alternating(fns: Mapping[str, Callable[..., Any]], inputs: Sequence[Any], repeats: int = 10, *,
                      warmup: int = 2, progress: bool | str = False,
-                     samples: dict[str, list[float]] | None = None) -> dict[str, float]:
+                     samples: dict[str, list[float]] | None = None, shuffle: bool = False) -> dict[str, float]:
     """Median wall-clock seconds of ``fn(*inputs)`` for each of ``fns``, timed in alternation.
 
     Each function is first called ``warmup`` times (compilation, allocator and thread pool
     warm-up happen there, untimed); then ``repeats`` rounds each call every function once, in
     order, and time it. Runs under ``torch.no_grad()``. ``progress`` shows a tqdm bar (a string
     is its label). ``samples``, when given, receives every timed call's seconds per function.
+    ``shuffle`` draws each round's order afresh (seeded): in a fixed order each function always runs
+    right after the same one, whose effects (a cache it filled or emptied) it then always pays.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -70,8 +73,10 @@ def time_alternating(fns: Mapping[str, Callable[..., Any]], inputs: Sequence[Any
                 _sync(device)
                 if bar is not None:
                     bar.update(1)
+        rng = random.Random(0)
         for _ in range(repeats):
-            for name, fn in fns.items():
+            for name in rng.sample(list(fns), len(fns)) if shuffle else fns:
+                fn = fns[name]
                 _sync(device)
                 start = time.perf_counter()
                 fn(*inputs)

@@ -22,8 +22,8 @@ Tuning one key (:meth:`Selector.tune`):
    that write out the ``(B, H, Tq, Tk)`` scores (``math``, ``sdpa_math``) are not timed where one copy of
    them, at the bucket's longest lengths, is over ``max_scores`` (512 MiB: T=4096 at B=1 with 12 heads in
    float32) and a candidate that never holds them serves (``sdpa`` counts as holding them where its own
-   choice is its math backend): every round would write and read that tensor, and it may not fit beside
-   the model's own. Where none of the others passes its check, they are checked and timed after all.
+   choice is its math backend): every round would write and read that tensor (the reference check still
+   computes it once). Where none of the others passes its check, they are checked and timed after all.
    With dropout and gradients only ``math`` and ``sdpa_math`` are raced: a site serves ``math`` in place
    of any other there (:mod:`attnopt.runtime.dispatch`).
 2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
@@ -457,7 +457,7 @@ class Selector:
 
         def check(names_: list[str]) -> None:
             for name in names_:
-                if get_candidate(name) is MATH and "window" not in runs.kwargs:
+                if get_candidate(name) is MATH:  # (it takes a window itself, as the reference run did)
                     live.append(name)  # the reference run was this very call: its check (and its warm-up)
                     continue
                 try:
@@ -471,7 +471,7 @@ class Selector:
 
         check(names)
         kept_out = [n for n in full if n not in names and n != twin]
-        if kept_out and not any(n not in kept_out for n in live):  # none of the others passed: those are in again
+        if kept_out and not live:  # none of the others passed: those are in again
             for n in kept_out:
                 rejected.pop(n, None)
             check(kept_out)
@@ -571,7 +571,7 @@ class Selector:
     def _without_large_scores(self, names: list[str], runs: _Runs, rejected: dict[str, str]) -> list[str]:
         """``names`` without the default candidates that write out the scores, where one copy of them is over
         ``max_scores`` and a candidate that never holds them serves (a 6 GiB tensor per call takes seconds to write
-        and read, in every one of the rounds, and may not fit beside the model's own tensors)."""
+        and read, in every one of the rounds; the reference check still computes it once)."""
         if self.only is not None or self.max_scores is None:
             return names
         q, k = runs.q, runs.k
@@ -580,8 +580,7 @@ class Selector:
         if size <= self.max_scores:
             return names
         large = [n for n in names if getattr(get_candidate(n), "materialises", False)]
-        if "sdpa" in names and getattr(get_candidate(same_kernel_as_sdpa(q, k, runs.v, runs.kwargs) or "sdpa"),
-                                       "materialises", False):
+        if "sdpa" in names and getattr(get_candidate(runs.sdpa_kernel or "sdpa"), "materialises", False):
             large.append("sdpa")  # SDPA's own choice is its math backend here (a mask with a gradient, dropout)
         if not large or len(large) == len(names):
             return names
@@ -594,12 +593,9 @@ class Selector:
         """The restricted SDPA candidate (``sdpa_flash``, ``sdpa_math``, ...) that runs the very kernel plain
         ``sdpa`` picks for these inputs, when both are in the race of the default candidate set (a set the user
         named is timed as named)."""
-        if self.only is not None or "sdpa" not in names or (runs.dropout and runs.call.grad):
-            # (with dropout and gradients a site serves math for any candidate not differentiable twice, sdpa_math
-            # excepted, so there the restricted math kernel is a candidate of its own)
+        if self.only is not None or "sdpa" not in names:  # (with dropout and gradients sdpa is not raced)
             return None
-        twin = same_kernel_as_sdpa(runs.q, runs.k, runs.v, runs.kwargs)
-        return twin if twin in names else None
+        return runs.sdpa_kernel if runs.sdpa_kernel in names else None
 
     def _race(self, names: list[str], runs: _Runs, timer: Timer,
               rejected: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -891,8 +887,14 @@ class _Runs:
         self.kwargs = kwargs
         #: dropout is active in the timed calls (the check runs without it)
         self.dropout = float(kwargs.get("dropout_p") or 0.0) > 0
+
         self.grad_out: torch.Tensor | None = None
         self.gen = gen
+
+    @functools.cached_property
+    def sdpa_kernel(self) -> str | None:
+        """The restricted SDPA candidate whose kernel plain ``sdpa`` picks for these inputs (None: not told)."""
+        return same_kernel_as_sdpa(self.q, self.k, self.v, self.kwargs)
 
     def _inputs(self) -> tuple[torch.Tensor, ...]:
         extra = (self.mask,) if self.mask is not None and self.mask.requires_grad else ()
