@@ -1037,3 +1037,29 @@ def test_time_alternating_calls_each_once_per_round_in_a_fixed_or_shuffled_order
     assert (len(set(rounds)) > 1) == shuffle  # shuffled rounds differ; a fixed order never does
     # after which function each one ran varies once shuffled
     assert (len({r[r.index("b") - 1] for r in rounds if r.index("b")}) > 1) == shuffle
+
+
+def test_kept_out_large_score_candidates_come_back_when_the_rest_fail_their_dropout_warm_up(monkeypatch):
+    """Dropout without gradients, large scores: the one streaming candidate passes its check (run without dropout)
+    but cannot run with dropout; the kept-out ones are checked, warmed up and timed after all, sdpa_math as sdpa's
+    twin (SDPA's own choice with dropout here is its math backend)."""
+    from torch.nn.attention import SDPBackend
+
+    def dropless(q, k, v, **kw):
+        if kw["dropout_p"] > 0:
+            raise RuntimeError("no kernel with dropout")
+        return reference_attention(q, k, v, **kw)
+
+    _register(monkeypatch, "dropless", dropless)
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: int(SDPBackend.MATH.value))
+    clock = FakeClock({"sdpa": 1.0, "math": 2.0}, default=1.5)
+    sel = Selector(timer=clock.timer, memory=clock.memory, cache=False, max_scores=1)
+    monkeypatch.setattr(sel, "legal", lambda spec, device: (["dropless", "math", "sdpa", "sdpa_math"], {}))
+    call = _call()
+    call.kwargs["dropout_p"] = 0.1
+    key = shape_key(SPEC, call.q, call.k, call.v, causal=True, mask=None, dropout=True, grad=False)
+    entry = sel.choose(SPEC, key, call)
+    assert entry.choice == "sdpa" and {"sdpa", "math"} <= set(clock.timed), entry.decision
+    assert "sdpa_math" not in clock.timed and "same kernel as sdpa" in entry.rejected["sdpa_math"]
+    assert "no kernel with dropout" in entry.rejected["dropless"]
+    assert not any("would write out" in why for why in entry.rejected.values())

@@ -23,7 +23,8 @@ Tuning one key (:meth:`Selector.tune`):
    them, at the bucket's longest lengths, is over ``max_scores`` (512 MiB: T=4096 at B=1 with 12 heads in
    float32) and a candidate that never holds them serves (``sdpa`` counts as holding them where its own
    choice is its math backend): every round would write and read that tensor (the reference check still
-   computes it once). Where none of the others passes its check, they are checked and timed after all.
+   computes it once). Where none of the others can serve (its check, or with dropout its warm-up,
+   failed), they are checked and timed after all.
    With dropout and gradients only ``math`` and ``sdpa_math`` are raced: a site serves ``math`` in place
    of any other there (:mod:`attnopt.runtime.dispatch`).
 2. *Inputs*: random q, k, v of the real shapes, dtypes and device (never zeros), and the
@@ -447,18 +448,21 @@ class Selector:
             names = [n for n in names if n in TWICE_DIFFERENTIABLE]
         full = list(names)
         names = self._without_large_scores(names, runs, rejected)
-        twin = self._twin_of_sdpa(names, runs)
-        if twin is not None:  # one kernel: checked and timed once, as sdpa (the restricted one adds a context manager)
-            names = [n for n in names if n != twin]
-            rejected[twin] = ("runs the same kernel as sdpa for these inputs (PyTorch's own backend choice): "
-                              "checked and timed once, as sdpa")
         expected = runs.reference()
         live: list[str] = []
 
-        def check(names_: list[str]) -> None:
+        def admit(names_: list[str]) -> None:
+            """Check ``names_`` (their twin of sdpa aside) and, with dropout, warm them up: the ones that pass join
+            ``live``."""
+            twin = self._twin_of_sdpa(names_, runs)
+            if twin is not None:  # one kernel: checked and timed once, as sdpa (the restricted one adds a context)
+                names_ = [n for n in names_ if n != twin]
+                rejected[twin] = ("runs the same kernel as sdpa for these inputs (PyTorch's own backend choice): "
+                                  "checked and timed once, as sdpa")
+            passed = []
             for name in names_:
                 if get_candidate(name) is MATH:  # (it takes a window itself, as the reference run did)
-                    live.append(name)  # the reference run was this very call: its check (and its warm-up)
+                    passed.append(name)  # the reference run was this very call: its check (and its warm-up)
                     continue
                 try:
                     problem = runs.check(name, expected)
@@ -467,21 +471,22 @@ class Selector:
                 if problem:
                     rejected[name] = problem
                 else:
-                    live.append(name)
+                    passed.append(name)
+            for name in passed:
+                if runs.dropout:  # one untimed warm-up each (the check ran without dropout)
+                    try:
+                        runs.runner(name)()
+                    except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
+                        rejected[name] = _raised(e)
+                        continue
+                live.append(name)
 
-        check(names)
-        kept_out = [n for n in full if n not in names and n != twin]
-        if kept_out and not live:  # none of the others passed: those are in again
+        admit(names)
+        kept_out = [n for n in full if n not in names]
+        if kept_out and not live:  # none of the others can serve: the ones kept out for their scores are in again
             for n in kept_out:
                 rejected.pop(n, None)
-            check(kept_out)
-        if runs.dropout:
-            for name in list(live):  # one untimed warm-up each (the check ran without dropout)
-                try:
-                    runs.runner(name)()
-                except Exception as e:  # noqa: BLE001 - e.g. no kernel once dropout is on
-                    rejected[name] = _raised(e)
-                    live.remove(name)
+            admit(kept_out)
         # (without dropout the check was the very call the rounds time: it warmed every candidate up)
         load_before = _load()
         samples, pruned = self._race(live, runs, timer, rejected)
