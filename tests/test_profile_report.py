@@ -226,3 +226,20 @@ def test_run_time_fallbacks_of_each_point_are_recorded_and_summarised(monkeypatc
     (line,) = [s for s in summarize(records) if "ran as written at run time" in s]
     assert line.startswith("9 call(s) of rewritten sites ran as written at run time")
     assert f"first: sdpa at B=1, T=8 prefill, g0.site0: 3 call(s): {why}" in line
+
+
+def test_the_memory_timeline_names_an_indexed_cuda_device(tmp_path, monkeypatch):
+    # torch keeps the timeline's allocations whose device equals the one named: "cuda" equals none of "cuda:0"'s
+    from attnopt.profiling.run import _memory_timeline
+
+    asked = []
+
+    class Prof:
+        def export_memory_timeline(self, path, device):
+            asked.append(device)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _memory_timeline(Prof(), tmp_path / "t", torch.device("cuda")) is not None
+    assert _memory_timeline(Prof(), tmp_path / "t", torch.device("cuda", 1)) is not None
+    assert _memory_timeline(Prof(), tmp_path / "t", torch.device("cpu")) is not None
+    assert asked == ["cuda:0", "cuda:1", "cpu"]

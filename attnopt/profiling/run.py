@@ -608,6 +608,10 @@ def _memory_timeline(prof: Any, stem: Path, dev: torch.device) -> str | None:
         path = stem.with_suffix(".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        if dev.type == "cuda" and dev.index is None:
+            # the timeline keeps the allocations whose device equals this one exactly: "cuda" matches none of
+            # the "cuda:0" ones the profiler records
+            dev = torch.device("cuda", torch.cuda.current_device())
         prof.export_memory_timeline(str(path), device=str(dev))
     except Exception as e:  # noqa: BLE001 - a missing timeline must not fail the measurement
         warnings.warn(f"attnopt profile: memory timeline not written ({type(e).__name__}: {e})", stacklevel=2)
