@@ -214,6 +214,8 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
     :func:`optimize` (it is tuned in place) or a plain module (it is optimized first with
     ``optimize_kwargs``). The timings go to the tuning cache on disk, so later processes on
     the same machine start tuned. ``grad=True`` tunes the forward+backward shapes of training.
+    Provisional choices are timed again, and races run to their end here: the selector's ``time_limit_s``,
+    which bounds a tuning inside a forward, does not apply (a race it cut continues from its rounds).
     Returns the optimized model. A tqdm bar shows progress.
 
     Under ``torch.distributed`` call it with the same sweep on every rank: rank 0 tunes each
@@ -247,9 +249,11 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
 
     selector = getattr(opt, _SELECTOR_ATTR, None)
     shown = getattr(selector, "progress", None)
+    limit = getattr(selector, "time_limit_s", None)
     if selector is not None:
         selector.retime_provisional()  # a new tune is the moment to decide the provisional choices
         selector.collective = True  # every rank runs this same sweep: rank 0 tunes, all run its choices
+        selector.time_limit_s = None  # tuning ahead of time: every race runs to its end (a cut one continues)
         if not progress:
             selector.progress = False  # nor the counters of long tunings
     try:
@@ -258,6 +262,7 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
         if selector is not None:
             selector.collective = False
             selector.progress = shown
+            selector.time_limit_s = limit
     if selector is not None:
         selector.share()
     return opt

@@ -237,7 +237,7 @@ def _retune(cache: TuningCache, chosen: list[CacheRecord]) -> int:
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     for r in chosen:
         why = f"marked for re-timing by `attnopt cache retune` on {now}; was: {r.entry.decision or r.entry.choice}"
-        cache.store(r.key, dataclasses.replace(r.entry, provisional=True, decision=why))
+        cache.store(r.key, dataclasses.replace(r.entry, provisional=True, decision=why, samples={}))
     print(f"marked {len(chosen)} entr{'y' if len(chosen) == 1 else 'ies'} provisional in {cache.directory}; "
           "each is timed again where it is next used (the next process or attnopt.tune):")
     for r in chosen:

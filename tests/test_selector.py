@@ -60,6 +60,7 @@ def _choose(selector, call=None, spec=SPEC):
 
 
 def _selector(clock, tmp_path, names=NAMES, **kw):
+    kw.setdefault("time_limit_s", None)  # the fake clock's seconds are units of its own (a limit has its tests)
     return Selector(timer=clock.timer, memory=clock.memory, cache=TuningCache(tmp_path), candidates=names, **kw)
 
 
@@ -1063,3 +1064,103 @@ def test_kept_out_large_score_candidates_come_back_when_the_rest_fail_their_drop
     assert "sdpa_math" not in clock.timed and "same kernel as sdpa" in entry.rejected["sdpa_math"]
     assert "no kernel with dropout" in entry.rejected["dropless"]
     assert not any("would write out" in why for why in entry.rejected.values())
+
+
+# -- the time limit of one tuning (a long shape's first call) ------------------------------------------
+
+_LIMITED = {"sdpa": 1.0, "tiled64": 1.3, "sdpa_math": 1.35}  # a round: 3.65 s; 8 s of timed calls: 3 rounds
+
+
+def _limited(clock, cache, **kw):
+    return Selector(timer=clock.timer, memory=clock.memory, cache=cache, candidates=list(_LIMITED), time_limit_s=8,
+                    **kw)
+
+
+def test_the_time_limit_cuts_an_undecided_race_and_the_next_tuning_continues_its_rounds(tmp_path):
+    clock = FakeClock(_LIMITED)
+    first = _choose(_limited(clock, TuningCache(tmp_path)))
+    assert first.provisional and first.choice == "sdpa"
+    assert first.rounds == {n: 3 for n in _LIMITED} and {n: len(t) for n, t in first.samples.items()} == first.rounds
+    assert "time limit (8 s" in first.decision and "continues its rounds" in first.decision
+    assert "tiled64/sdpa x1.3 over 3 rounds" in first.decision  # the closest rival, no interval from 3 rounds
+    # the next process (a new selector on the same disk cache) continues those rounds: it times 3 more, not 8
+    clock.timed.clear()
+    second = _choose(_limited(clock, TuningCache(tmp_path)))
+    assert second.provisional and second.rounds == {n: 6 for n in _LIMITED}
+    assert second.samples["sdpa"][:3] == first.samples["sdpa"]  # the first process's rounds, then its own
+    assert clock.timed.count("tiled64") == 3
+    # and the third decides: 8 rounds separate them at 99%, then the verdict is confirmed on fresh rounds
+    third = _choose(_limited(clock, TuningCache(tmp_path)))
+    assert not third.provisional and third.choice == "sdpa" and third.rounds == {n: 8 for n in _LIMITED}
+    assert third.samples == {} and "confirmed" in third.decision
+    clock.timed.clear()
+    assert _choose(_limited(clock, TuningCache(tmp_path))) == third and clock.timed == []  # final: from the cache
+
+
+def test_without_a_time_limit_a_race_runs_to_its_end(tmp_path):
+    clock = FakeClock(_LIMITED)
+    sel = _limited(clock, TuningCache(tmp_path))
+    sel.time_limit_s = None
+    entry = _choose(sel)
+    assert not entry.provisional and entry.rounds == {n: 8 for n in _LIMITED} and entry.samples == {}
+
+
+def test_a_cut_race_starts_again_when_its_candidates_changed(tmp_path):
+    clock = FakeClock(_LIMITED)
+    first = _choose(_limited(clock, TuningCache(tmp_path)))
+    sel = _limited(clock, TuningCache(tmp_path))
+    # the same key, one candidate fewer: its rounds would pair other candidates, so the race starts again
+    call = _call()
+    key = shape_key(SPEC, call.q, call.k, call.v, causal=True, mask=None, dropout=False, grad=False)
+    entry = sel.tune(SPEC, key, call, ["sdpa", "tiled64"], prior=first)
+    assert entry.rounds == {"sdpa": 4, "tiled64": 4}  # 2.3 s a round: 8 s in four rounds, none carried over
+
+
+def test_without_a_disk_cache_retiming_continues_the_cut_rounds(tmp_path):
+    clock = FakeClock(_LIMITED)
+    sel = _limited(clock, None)
+    assert _choose(sel).rounds["sdpa"] == 3
+    assert _choose(sel).rounds["sdpa"] == 3  # this process keeps its provisional choice
+    assert sel.retime_provisional() == 1
+    assert _choose(sel).rounds["sdpa"] == 6
+
+
+def test_attnopt_tune_runs_a_cut_race_to_its_end(tmp_path):
+    clock = FakeClock(_LIMITED)
+    sel = _limited(clock, TuningCache(tmp_path))
+    opt = attnopt.optimize(Attn().eval(), selector=sel)
+    with torch.no_grad():
+        opt(torch.randn(1, 8, 32))
+    (entry,) = [e for r in attnopt.explain(opt).records for e in r.extra["tuning"].values()]
+    assert entry.provisional and entry.rounds["sdpa"] == 3
+    clock.timed.clear()
+    attnopt.tune(opt, [(torch.randn(1, 8, 32),)], progress=False)
+    (entry,) = [e for r in attnopt.explain(opt).records for e in r.extra["tuning"].values()]
+    assert not entry.provisional and entry.samples == {} and entry.rounds == {n: 8 for n in _LIMITED}
+    # past the limit (5 rounds: 18 s of timed calls), going on from the cut race's 3 rounds rather than from 0;
+    # sdpa_math is not the runner-up, so no confirming round times it
+    assert clock.timed.count("sdpa_math") == 5
+    assert sel.time_limit_s == 8  # restored after the sweep
+
+
+def test_a_choice_marked_slower_in_use_does_not_continue_old_rounds(tmp_path):
+    clock = FakeClock(_LIMITED)
+    sel = _limited(clock, TuningCache(tmp_path))
+    entry = _choose(sel)
+    call = _call()
+    key = shape_key(SPEC, call.q, call.k, call.v, causal=True, mask=None, dropout=False, grad=False)
+    marked = sel.slower_in_use(SPEC, key, call.q.device, entry, observed_ms=5000.0, calls=8)
+    assert marked.provisional and marked.samples == {}
+
+
+def test_the_time_limit_is_validated_and_samples_round_trip():
+    with pytest.raises(ValueError, match="time_limit_s"):
+        Selector(time_limit_s=0)
+    assert Selector(time_limit_s=None).time_limit_s is None
+    from attnopt.selection.cache import TuningEntry
+
+    entry = TuningEntry(choice="sdpa", provisional=True, samples={"sdpa": [0.5, 0.25], "math": (1.0,)})
+    assert TuningEntry.from_json(entry.to_json()) == entry and entry.samples["sdpa"] == (0.5, 0.25)
+    assert TuningEntry.from_json(TuningEntry(choice="sdpa").to_json()).samples == {}
+    with pytest.raises(ValueError, match="samples"):
+        TuningEntry(choice="sdpa", samples={"sdpa": [-1.0]})

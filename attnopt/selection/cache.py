@@ -199,6 +199,9 @@ class TuningEntry:
         pruned: candidate -> why it stopped being timed (clearly slower over several rounds).
         confidence: the level of the intervals (0: unknown, e.g. an entry from an older attnopt).
         load: the 1-minute load average before and after the timing (empty where the OS has none).
+        samples: the seconds of each timed candidate's call in every round, kept only where the selector's
+            time limit cut the race (``Selector(time_limit_s=...)``): the next tuning of the key continues
+            those rounds instead of starting again. Empty otherwise.
     """
 
     choice: str
@@ -215,6 +218,7 @@ class TuningEntry:
     pruned: dict[str, str] = dataclasses.field(default_factory=dict)
     confidence: float = 0.0
     load: tuple[float, ...] = ()
+    samples: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.choice, str) or not self.choice:
@@ -253,6 +257,13 @@ class TuningEntry:
         if not isinstance(self.load, (list, tuple)) or not all(_number(x) and x >= 0 for x in self.load):
             raise ValueError(f"load must be load averages >= 0, got {self.load!r}")
         object.__setattr__(self, "load", tuple(float(x) for x in self.load))
+        samples = {}
+        for name, times in self.samples.items():
+            if (not isinstance(times, (list, tuple))
+                    or not all(_number(x) and math.isfinite(x) and x >= 0 for x in times)):
+                raise ValueError(f"samples[{name!r}] must be seconds >= 0 per round, got {times!r}")
+            samples[name] = tuple(float(x) for x in times)
+        object.__setattr__(self, "samples", samples)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; ``inf`` timings become ``None``."""
@@ -269,7 +280,7 @@ class TuningEntry:
         if "choice" not in data or set(data) - names:
             raise ValueError(f"a tuning entry has the fields {sorted(names)} ('choice' required), got {sorted(data)}")
         fields = dict(data)
-        for name in ("timings_ms", "peak_bytes", "rejected", "rounds", "spread_ms", "ratios", "pruned"):
+        for name in ("timings_ms", "peak_bytes", "rejected", "rounds", "spread_ms", "ratios", "pruned", "samples"):
             if not isinstance(fields.get(name, {}), Mapping):
                 raise ValueError(f"{name} must be a JSON object, got {fields[name]!r}")
         fields["timings_ms"] = {k: (math.inf if v is None else v) for k, v in fields.get("timings_ms", {}).items()}

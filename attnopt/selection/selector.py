@@ -53,7 +53,13 @@ Tuning one key (:meth:`Selector.tune`):
    slow candidates are pruned there) have used ``budget_s`` (2 s), or after ``max_rounds``
    (200); then the best median is chosen (``sdpa`` where it is not shown slower than any candidate:
    without evidence, what the model written with SDPA would run), but marked *provisional*: it serves this
-   process and is timed again by the next process or the next :func:`attnopt.tune`. A choice is never one
+   process and is timed again by the next process or the next :func:`attnopt.tune`. The rounds of one tuning
+   stop, too, once their timed calls have taken ``time_limit_s`` (30 s; the first eight rounds included) and the
+   race has not decided: the choice is made the same way and is provisional, and the entry keeps every round's
+   times (``TuningEntry.samples``), so the next tuning of the key continues those rounds where the same
+   candidates pass their checks (a round pairs its candidates within itself, so rounds timed by another
+   process pair as well); :func:`attnopt.tune` sets no limit. The confirming rounds below are not limited. A
+   choice is never one
    that the rounds show clearly slower than another candidate that may serve. Because the race looks after
    every round, a verdict "faster than the runner-up" it ends on is checked once more on fresh rounds of the
    two alone (until half the budget is spent, at least 8): one look at ``confidence``, so two equal
@@ -227,13 +233,18 @@ class Selector:
         max_scores: of the default candidates, those that write out the (B, H, Tq, Tk) scores (``math``,
             ``sdpa_math``) are not timed where one copy of them would be larger ("512MiB"; None: always timed),
             as long as a candidate that never holds them serves.
+        time_limit_s: seconds of timed calls one tuning may spend on its rounds (30.0; None: no limit). A race
+            that has not decided when they are spent stops after its round; its choice is provisional, and the
+            next tuning of the key (the next process, or :func:`attnopt.tune`, which sets no limit) continues
+            its rounds instead of starting again.
     """
 
     def __init__(self, *, timer: Timer | None = None, memory: MemoryMeter | None = None,
                  memory_budget: int | str | None = None, cache: TuningCache | None | bool = True,
                  candidates: list[str] | None = None, confidence: float = 0.99, tie: float = 0.03,
                  budget_s: float = 2.0, max_rounds: int = 200, gross: float = 2.0, gross_rounds: int = 5,
-                 progress: bool | None = None, max_scores: int | str | None = "512MiB"):  # = _MAX_SCORES
+                 progress: bool | None = None, max_scores: int | str | None = "512MiB",  # = _MAX_SCORES
+                 time_limit_s: float | None = 30.0):
         if not 0.5 < confidence < 1:
             raise ValueError(f"confidence must be a level between 0.5 and 1 (e.g. 0.99), got {confidence!r}")
         if not 0 <= tie < 0.5:
@@ -241,6 +252,9 @@ class Selector:
         if not budget_s > 0:
             raise ValueError(f"budget_s must be seconds > 0 of timed calls per key (after the first rounds), "
                              f"got {budget_s!r}")
+        if time_limit_s is not None and not time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be seconds > 0 of timed calls per tuning, or None for no limit, "
+                             f"got {time_limit_s!r}")
         if max_rounds < stats.min_pairs(confidence):
             raise ValueError(f"max_rounds={max_rounds} is too few to decide anything at confidence {confidence}: "
                              f"give at least {stats.min_pairs(confidence)}")
@@ -263,7 +277,10 @@ class Selector:
         self.gross_rounds = gross_rounds
         self.progress = progress
         self.max_scores = parse_bytes(max_scores, "max_scores")
+        self.time_limit_s = time_limit_s
         self.entries: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
+        #: provisional entries forgotten by :meth:`retime_provisional` whose rounds the next tuning continues
+        self._resume: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
         #: True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`
         self.collective = False
         self._sites: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -280,7 +297,7 @@ class Selector:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({"gross": 2.0, "gross_rounds": 5, "progress": None, "max_scores": _MAX_SCORES,
-                              **state})  # older pickles lack these
+                              "time_limit_s": 30.0, "_resume": {}, **state})  # older pickles lack these
         self._lock = threading.Lock()
         self._sites = weakref.WeakSet()
 
@@ -315,7 +332,8 @@ class Selector:
             if entry is not None:
                 return entry
             names, refused = self.legal(spec, call.q.device)
-            entry = self._agreed(names, lambda: self._cached_or_tuned(spec, key, call, names, refused))
+            prior = self._resume.pop((spec, key), None)
+            entry = self._agreed(names, lambda: self._cached_or_tuned(spec, key, call, names, refused, prior))
             if "*" not in entry.rejected:  # a rank's stand-in until share() is not kept
                 self.entries[(spec, key)] = entry
             return entry
@@ -354,7 +372,8 @@ class Selector:
         why = (f"in use it ran {observed_ms / recorded:.2g}x slower than when tuned (median {observed_ms:.3g} ms "
                f"over {calls} sampled calls, against {recorded:.3g} ms): timed again by the next process or "
                "attnopt.tune")
-        marked = dataclasses.replace(entry, provisional=True, decision=f"{entry.decision}; {why}")
+        # (its rounds, if any, are not continued: they timed another setup than this one)
+        marked = dataclasses.replace(entry, provisional=True, decision=f"{entry.decision}; {why}", samples={})
         log.info("%s: %s", key.describe(), why)
         with self._lock:
             if self.entries.get((spec, key)) is entry:
@@ -377,7 +396,9 @@ class Selector:
         with self._lock:
             stale = [k for k, e in self.entries.items() if e.provisional]
             for k in stale:
-                del self.entries[k]
+                entry = self.entries.pop(k)
+                if entry.samples:  # cut by the time limit: its next tuning continues these rounds
+                    self._resume[k] = entry
         if stale:
             log.info("re-timing %d provisional choice(s) on their next call", len(stale))
             for site in list(self._sites):
@@ -389,14 +410,16 @@ class Selector:
         self._sites.add(site)
 
     def _cached_or_tuned(self, spec: AttentionSpec, key: ShapeKey, call: Call, names: list[str],
-                         refused: Mapping[str, str]) -> TuningEntry:
+                         refused: Mapping[str, str], prior: TuningEntry | None = None) -> TuningEntry:
         if self.cache is None:
-            return self.tune(spec, key, call, names, refused)
+            return self.tune(spec, key, call, names, refused, prior=prior)
         cache_key = self._cache_key(spec, key, names, call.q.device)
         entry = self.cache.lookup(cache_key)
         if entry is not None and entry.provisional:
             log.info("timing %s again: its cached choice %s is provisional (%s)", key.describe(), entry.choice,
                      entry.decision)
+            if entry.samples:
+                prior = entry  # cut by the time limit: continue its rounds
         elif entry is not None and entry.choice in names:
             # A cached choice is checked again on this call's inputs (one run) before it is trusted.
             with torch.random.fork_rng(devices=[call.q.device] if call.q.device.type == "cuda" else []):
@@ -408,24 +431,27 @@ class Selector:
             if problem is None:
                 return entry
             log.info("cached choice %s failed its check (%s); tuning again", entry.choice, problem)
-        entry = self.tune(spec, key, call, names, refused)
+        entry = self.tune(spec, key, call, names, refused, prior=prior)
         self.cache.store(cache_key, entry)
         return entry
 
     def tune(self, spec: AttentionSpec, key: ShapeKey, call: Call, names: list[str],
-             refused: Mapping[str, str] | None = None) -> TuningEntry:
+             refused: Mapping[str, str] | None = None, *, prior: TuningEntry | None = None) -> TuningEntry:
         """Check, time and measure ``names`` on random inputs shaped like ``call``; keep the fastest.
 
+        ``prior``: an entry of the same key whose race the time limit cut (``entry.samples``): its rounds are
+        continued, where the same candidates race again (each is checked again on this call's inputs first).
         The global random state is left as it was (tuning draws from its own generator; dropout
         during timing runs inside ``fork_rng``), so seeded runs do not depend on cache hits.
         """
         device = call.q.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 _progress(key, self.progress) as tick:
-            return self._tune(spec, key, call, names, refused, tick)
+            return self._tune(spec, key, call, names, refused, tick, prior)
 
     def _tune(self, spec: AttentionSpec, key: ShapeKey, call: Call, names: list[str],
-              refused: Mapping[str, str] | None, tick: Callable[[str], None] = lambda name: None) -> TuningEntry:
+              refused: Mapping[str, str] | None, tick: Callable[[str], None] = lambda name: None,
+              prior: TuningEntry | None = None) -> TuningEntry:
         start = time.perf_counter()
         device = call.q.device
         timed = self.timer or functools.partial(default_timer, device=device)
@@ -489,7 +515,11 @@ class Selector:
             admit(kept_out)
         # (without dropout the check was the very call the rounds time: it warmed every candidate up)
         load_before = _load()
-        samples, pruned = self._race(live, runs, timer, rejected)
+        resumed = _resumable(prior, live)
+        if prior is not None and resumed is None:
+            log.info("%s: the rounds of the cut race are not continued (its candidates were %s, now %s)",
+                     key.describe(), sorted(prior.samples), sorted(live))
+        samples, pruned, cut = self._race(live, runs, timer, rejected, resumed)
         live = [n for n in live if n in samples and n not in pruned]
         summary = {name: stats.quartiles(s) for name, s in samples.items()}
         for name, (_, median, _) in summary.items():
@@ -555,7 +585,9 @@ class Selector:
                 choice = "sdpa"
                 provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
                 decision += "; sdpa serves, as no candidate was shown faster than it"
-            if confirm:
+            if cut:
+                provisional, decision = True, self._cut(choice, rivals, samples, decision)
+            elif confirm:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         ratios = {}
         for name in samples:
@@ -569,7 +601,8 @@ class Selector:
                             rounds={n: len(s) for n, s in samples.items()},
                             spread_ms={n: (q[0] * 1e3, q[2] * 1e3) for n, q in summary.items()},
                             ratios=ratios, pruned=pruned, confidence=self.confidence,
-                            load=tuple(x for x in (load_before, _load()) if x is not None))
+                            load=tuple(x for x in (load_before, _load()) if x is not None),
+                            samples={n: tuple(t) for n, t in samples.items()} if cut else {})
         log.info("tuned %s: %s (%s)", key.describe(), choice, format_timings(entry))
         return entry
 
@@ -602,21 +635,29 @@ class Selector:
             return None
         return runs.sdpa_kernel if runs.sdpa_kernel in names else None
 
-    def _race(self, names: list[str], runs: _Runs, timer: Timer,
-              rejected: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    def _race(self, names: list[str], runs: _Runs, timer: Timer, rejected: dict[str, str],
+              prior: tuple[dict[str, list[float]], dict[str, str]] | None = None,
+              ) -> tuple[dict[str, list[float]], dict[str, str], bool]:
         """Time ``names`` in rounds of shuffled order until the leader is separated from (or tied with) every rival.
 
         Returns the seconds per round of each candidate that could be timed (a pruned one's list
-        stops at its pruning) and why each pruned candidate was dropped. Candidates that raise are
-        added to ``rejected``.
+        stops at its pruning), why each pruned candidate was dropped, and whether the time limit cut the race
+        before it decided. Candidates that raise are added to ``rejected``. ``prior``: the samples and pruned
+        candidates of a cut race of the same candidates, whose rounds this one continues (each round is paired
+        within itself, so rounds timed by another process pair as well as this one's).
         """
         samples: dict[str, list[float]] = {name: [] for name in names}
         pruned: dict[str, str] = {}
+        if prior is not None:
+            samples = {name: list(prior[0][name]) for name in names}
+            pruned = dict(prior[1])
         need = stats.min_pairs(self.confidence)
-        spent = 0.0
+        spent = total = 0.0
+        cut = False
         order = random.Random(len(names))  # seeded: a tuning does not depend on the global random state
         gross_from = max(self.gross_rounds, len(names))
-        for round_ in range(self.max_rounds):
+        first = max((len(samples[n]) for n in samples if n not in pruned), default=0)
+        for round_ in range(first, self.max_rounds):
             racing = [n for n in samples if n not in pruned]
             turn = racing[:]
             order.shuffle(turn)  # a new order every round: no candidate always runs after the same one
@@ -628,9 +669,11 @@ class Selector:
                     del samples[name]
                     continue
                 samples[name].append(seconds)
+                total += seconds
                 if round_ >= need:  # the first rounds always run: the budget is for the rounds after them
                     spent += seconds
             racing = [n for n in samples if n not in pruned]
+            over = self.time_limit_s is not None and total >= self.time_limit_s
             if round_ + 1 < need:
                 # never decide on fewer rounds than can show anything (8 at 99%), but stop timing a candidate
                 # that ran more than ``gross`` times slower than the leader in each of its first rounds
@@ -638,6 +681,9 @@ class Selector:
                     self._prune_gross(racing, samples, pruned)
                     if sum(n not in pruned for n in samples) <= 1:
                         break
+                if over and len(racing) > 1:
+                    cut = True
+                    break
                 continue
             if len(racing) <= 1:
                 break
@@ -653,7 +699,10 @@ class Selector:
                     settled = False
             if settled or spent >= self.budget_s:
                 break
-        return samples, pruned
+            if over:
+                cut = True
+                break
+        return samples, pruned, cut
 
     def _prune_gross(self, racing: list[str], samples: Mapping[str, list[float]], pruned: dict[str, str]) -> None:
         """Prune each candidate slower than the leader (the lowest median) by more than ``gross`` in *every* paired
@@ -715,6 +764,19 @@ class Selector:
             return False, f"{decision}; confirmed on {c.n} fresh rounds ({runner}/{choice} {c.describe()})"
         return True, (f"provisional: {decision}, but {c.n} fresh rounds of the two alone did not confirm it "
                       f"({runner}/{choice} {c.describe()}); timed again by the next process or attnopt.tune")
+
+    def _cut(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], decision: str) -> str:
+        """Why the choice of a race the time limit cut is provisional (``decision``: the verdict's sentence)."""
+        runner = self._runner_up(choice, rivals, samples)
+        closest = ""
+        if runner is not None:
+            c = stats.compare(samples[runner], samples[choice], confidence=self.confidence, tie=self.tie)
+            shown = f"{c.describe()} at {self.confidence:.0%}" if math.isfinite(c.hi) else f"x{c.ratio:.3g}"
+            closest = f" ({runner}/{choice} {shown} over {c.n} rounds)"
+        served = "; sdpa serves, as no candidate was shown faster than it" if decision.endswith("than it") else ""
+        return (f"provisional: the time limit ({self.time_limit_s:g} s of timed calls per tuning) was spent after "
+                f"{max(map(len, samples.values()))} rounds, before the race could separate the candidates{closest}"
+                f"{served}; the next tuning of this key continues its rounds (attnopt.tune runs them to the end)")
 
     def _verdict(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], pruned: Mapping[str, str],
                  budgeted: bool) -> tuple[bool, str, bool]:
@@ -790,6 +852,19 @@ def _load() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def _resumable(prior: TuningEntry | None,
+               live: list[str]) -> tuple[dict[str, list[float]], dict[str, str]] | None:
+    """The rounds of ``prior`` (a race the time limit cut) to continue with ``live``, the candidates that passed
+    their checks now: only where they are the very ones that raced (so every round pairs the same candidates), and
+    the unpruned ones ran the same number of rounds; else None (the race starts again)."""
+    if prior is None or not prior.samples or set(prior.samples) != set(live):
+        return None
+    pruned = {n: why for n, why in prior.pruned.items() if n in live}
+    if len({len(t) for n, t in prior.samples.items() if n not in pruned}) != 1:
+        return None
+    return {n: list(t) for n, t in prior.samples.items()}, pruned
 
 
 def _raised(e: BaseException) -> str:
