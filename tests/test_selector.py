@@ -7,6 +7,7 @@ outputs); which candidate is fastest on this machine is a benchmark question
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -618,7 +619,7 @@ def test_an_entry_from_the_old_file_format_is_read_as_provisional_and_timed_agai
     sel.cache.path_for(cache_key).write_text(json.dumps({"format": 1, "key": cache_key, "entry": old}))
     entry = sel.choose(SPEC, key, call)
     assert clock.timed and entry.choice == "sdpa_flash" and not entry.provisional
-    assert json.loads(sel.cache.path_for(cache_key).read_text())["format"] == 2
+    assert json.loads(sel.cache.path_for(cache_key).read_text())["format"] == 3
 
 
 def test_tune_times_again_the_provisional_choices_of_this_process(tmp_path):
@@ -1087,6 +1088,7 @@ def test_the_time_limit_cuts_an_undecided_race_and_the_next_tuning_continues_its
     clock.timed.clear()
     second = _choose(_limited(clock, TuningCache(tmp_path)))
     assert second.provisional and second.rounds == {n: 6 for n in _LIMITED}
+    assert "spent after 3 rounds (after 3 of earlier tunings)" in second.decision
     assert second.samples["sdpa"][:3] == first.samples["sdpa"]  # the first process's rounds, then its own
     assert clock.timed.count("tiled64") == 3
     # and the third decides: 8 rounds separate them at 99%, then the verdict is confirmed on fresh rounds
@@ -1164,3 +1166,65 @@ def test_the_time_limit_is_validated_and_samples_round_trip():
     assert TuningEntry.from_json(TuningEntry(choice="sdpa").to_json()).samples == {}
     with pytest.raises(ValueError, match="samples"):
         TuningEntry(choice="sdpa", samples={"sdpa": [-1.0]})
+
+
+def test_an_entry_pickled_before_samples_existed_loads_with_none(tmp_path):
+    import pickle
+
+    from attnopt.selection.cache import TuningEntry
+
+    entry = TuningEntry(choice="sdpa", provisional=True)
+    del entry.__dict__["samples"]  # what an older attnopt pickled
+    back = pickle.loads(pickle.dumps(entry))
+    assert back.samples == {} and TuningEntry.from_json(back.to_json()) == back
+    sel = _limited(FakeClock(_LIMITED), None)
+    sel.entries[("spec", "key")] = back
+    sel = pickle.loads(pickle.dumps(sel))
+    assert sel.retime_provisional() == 1
+
+
+class _Swinging:
+    """Each candidate alternates between two times, out of step with the others: never separated, never tied."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+        self.timed: list[str] = []
+
+    def timer(self, name, run):
+        run()
+        n = self.calls[name] = self.calls.get(name, 0) + 1
+        self.timed.append(name)
+        return 1.0 if (n + (name == "sdpa")) % 2 else 1.3
+
+    def memory(self, name, run):
+        return 1000
+
+
+def test_continued_rounds_run_in_new_orders_and_count_against_the_budget(tmp_path):
+    clock = _Swinging()
+    orders, entries = [], []
+    for _ in range(12):
+        sel = Selector(timer=clock.timer, memory=clock.memory, cache=TuningCache(tmp_path),
+                       candidates=["sdpa", "tiled64"], time_limit_s=2.0, budget_s=3.0)
+        clock.timed.clear()
+        entries.append(_choose(sel))
+        orders.append(tuple(clock.timed[-2:]))  # the last round's order
+        if not entries[-1].samples:
+            break
+    assert len(set(orders[:4])) == 2  # a continued race does not replay its first rounds' order every time
+    # the budget of 3 s after the first 8 rounds holds across tunings: the race ends, provisional, and is not
+    # continued again (before, each tuning's budget started at zero and the race ran on to max_rounds)
+    last = entries[-1]
+    assert last.provisional and last.samples == {} and "not separated" in last.decision
+    assert 8 <= last.rounds["sdpa"] <= 12
+
+
+def test_kept_rounds_that_no_timer_gives_are_not_continued(tmp_path):
+    clock = FakeClock(_LIMITED)
+    first = _choose(_limited(clock, TuningCache(tmp_path)))
+    call = _call()
+    key = shape_key(SPEC, call.q, call.k, call.v, causal=True, mask=None, dropout=False, grad=False)
+    for bad in ({**first.samples, "sdpa": (1e306, 1.0, 1.0)}, {**first.samples, "tiled64": ()}):
+        prior = dataclasses.replace(first, samples=bad)
+        entry = _limited(clock, None).tune(SPEC, key, call, list(_LIMITED), prior=prior)
+        assert entry.rounds == {n: 3 for n in _LIMITED}  # started again, without raising

@@ -345,6 +345,20 @@ def test_a_file_of_the_format_before_confidence_statistics_reads_as_provisional(
     assert record.entry == found and record.key == key and record.id == cache.path_for(key).stem
 
 
+def test_a_file_of_the_format_before_kept_rounds_reads_as_it_is(tmp_path: Path) -> None:
+    cache = TuningCache(tmp_path)
+    key = cache.key(SHAPE, CANDIDATES, CPU)
+    entry = TuningEntry(choice="sdpa", timings_ms={"sdpa": 1.0}, decision="faster than the runner-up")
+    data = entry.to_dict()
+    del data["samples"]  # format 2: no kept rounds
+    cache.path_for(key).write_text(json.dumps({"format": 2, "key": key, "entry": data}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TuningCache(tmp_path).lookup(key) == entry  # final, as stored
+    cache.store(key, entry)
+    assert json.loads(cache.path_for(key).read_text())["format"] == 3  # what an older attnopt sees as a miss
+
+
 def test_provisional_entries_round_trip_as_provisional(tmp_path: Path) -> None:
     cache = TuningCache(tmp_path)
     key = cache.key(SHAPE, CANDIDATES, CPU)

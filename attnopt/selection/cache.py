@@ -68,9 +68,12 @@ from ..env import cache_dir_override, disk_cache_enabled
 __all__ = ["CacheRecord", "TuningCache", "TuningEntry", "default_cache_dir", "environment"]
 
 #: Version of the file layout (``{"format", "key", "entry"}``); files of another format are misses, except
-#: format 1 (before confidence statistics), whose entries are read as provisional, so they are timed again.
-FILE_FORMAT = 2
+#: format 1 (before confidence statistics), whose entries are read as provisional, so they are timed again, and
+#: format 2 (entries without ``samples``), read as it is. (Format 3 added ``samples``: an attnopt that reads
+#: format 2 only sees these files as another layout, a miss, rather than as corrupt.)
+FILE_FORMAT = 3
 _PROVISIONAL_FORMATS = {1: "tuned by an older attnopt without confidence statistics; timed again on next use"}
+_SAME_ENTRY_FORMATS = {2}
 
 _CACHE_FILE = re.compile(r"[0-9a-f]{64}\.json")
 _TEMP_FILE = re.compile(r"\.[0-9a-f]{64}\.json\.[0-9a-f]+\.tmp")
@@ -264,6 +267,12 @@ class TuningEntry:
                 raise ValueError(f"samples[{name!r}] must be seconds >= 0 per round, got {times!r}")
             samples[name] = tuple(float(x) for x in times)
         object.__setattr__(self, "samples", samples)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # an entry pickled by an older attnopt (inside a pickled Selector) lacks the fields added since: defaults
+        defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                    for f in dataclasses.fields(self) if f.name not in state}
+        self.__dict__.update({**defaults, **state})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON data; ``inf`` timings become ``None``."""
@@ -462,7 +471,7 @@ class TuningCache:
         try:
             record = json.loads(text)
             fmt = record.get("format") if isinstance(record, dict) else None
-            if fmt != FILE_FORMAT and fmt not in _PROVISIONAL_FORMATS:
+            if fmt != FILE_FORMAT and fmt not in _PROVISIONAL_FORMATS and fmt not in _SAME_ENTRY_FORMATS:
                 return None  # another layout: a foreign file or another attnopt version
             key = record["key"]
             if not isinstance(key, dict):
@@ -473,7 +482,7 @@ class TuningCache:
             if path.name != self.path_for(key).name:  # (_canonical raises ValueError for NaN in a key)
                 return None  # another key under this name: written elsewhere, or edited by hand
             entry = TuningEntry.from_dict(record["entry"])
-            if fmt != FILE_FORMAT:
+            if fmt in _PROVISIONAL_FORMATS:
                 entry = dataclasses.replace(entry, provisional=True, decision=_PROVISIONAL_FORMATS[fmt])
             return key, entry
         except (ValueError, TypeError, KeyError) as e:

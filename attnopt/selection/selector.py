@@ -54,12 +54,13 @@ Tuning one key (:meth:`Selector.tune`):
    (200); then the best median is chosen (``sdpa`` where it is not shown slower than any candidate:
    without evidence, what the model written with SDPA would run), but marked *provisional*: it serves this
    process and is timed again by the next process or the next :func:`attnopt.tune`. The rounds of one tuning
-   stop, too, once their timed calls have taken ``time_limit_s`` (30 s; the first eight rounds included) and the
-   race has not decided: the choice is made the same way and is provisional, and the entry keeps every round's
-   times (``TuningEntry.samples``), so the next tuning of the key continues those rounds where the same
-   candidates pass their checks (a round pairs its candidates within itself, so rounds timed by another
-   process pair as well); :func:`attnopt.tune` sets no limit. The confirming rounds below are not limited. A
-   choice is never one
+   stop, too, after the round in which their timed calls reach ``time_limit_s`` (30 s; the first eight rounds
+   included) if the race has not decided: the choice is made the same way and is provisional, and the entry
+   keeps every round's times (``TuningEntry.samples``), so the next tuning of the key continues those rounds
+   where the same candidates pass their checks (a round pairs its candidates within itself, so rounds timed by
+   another process pair as well; the continued rounds run in orders of their own, and count against
+   ``budget_s``); :func:`attnopt.tune` sets no limit. The checks, the memory measurement and the confirming
+   rounds below are not limited. A choice is never one
    that the rounds show clearly slower than another candidate that may serve. Because the race looks after
    every round, a verdict "faster than the runner-up" it ends on is checked once more on fresh rounds of the
    two alone (until half the budget is spent, at least 8): one look at ``confidence``, so two equal
@@ -124,6 +125,9 @@ MemoryMeter = Callable[[str, Callable[[], Any]], int]
 
 #: ``Selector(max_scores=...)``'s default, in bytes
 _MAX_SCORES = 512 * 2**20
+#: the longest call a kept round may hold, in seconds: the rounds of a cut race read back from a file are continued
+#: only when every time is in (0, this)
+_LONGEST_CALL_S = 1e5
 
 
 def length_bucket(n: int) -> int:
@@ -519,7 +523,16 @@ class Selector:
         if prior is not None and resumed is None:
             log.info("%s: the rounds of the cut race are not continued (its candidates were %s, now %s)",
                      key.describe(), sorted(prior.samples), sorted(live))
-        samples, pruned, cut = self._race(live, runs, timer, rejected, resumed)
+        carried = max(map(len, resumed[0].values())) if resumed is not None else 0
+        try:
+            samples, pruned, cut = self._race(live, runs, timer, rejected, resumed)
+        except Exception as e:  # noqa: BLE001 - rounds read back from a file that the race cannot use: start again
+            if resumed is None:
+                raise
+            log.warning("%s: the rounds of the cut race could not be continued (%s); timing them again",
+                        key.describe(), _raised(e))
+            carried = 0
+            samples, pruned, cut = self._race(live, runs, timer, rejected)
         live = [n for n in live if n in samples and n not in pruned]
         summary = {name: stats.quartiles(s) for name, s in samples.items()}
         for name, (_, median, _) in summary.items():
@@ -586,7 +599,7 @@ class Selector:
                 provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
                 decision += "; sdpa serves, as no candidate was shown faster than it"
             if cut:
-                provisional, decision = True, self._cut(choice, rivals, samples, decision)
+                provisional, decision = True, self._cut(choice, rivals, samples, decision, carried)
             elif confirm:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         ratios = {}
@@ -652,11 +665,15 @@ class Selector:
             samples = {name: list(prior[0][name]) for name in names}
             pruned = dict(prior[1])
         need = stats.min_pairs(self.confidence)
-        spent = total = 0.0
+        # the budget is per key: the seconds of continued rounds after the first ``need`` count against it too
+        spent = sum(sum(t[need:]) for t in samples.values())
+        total = 0.0
         cut = False
-        order = random.Random(len(names))  # seeded: a tuning does not depend on the global random state
-        gross_from = max(self.gross_rounds, len(names))
         first = max((len(samples[n]) for n in samples if n not in pruned), default=0)
+        # seeded (a tuning does not depend on the global random state), and by the rounds done: a continued race
+        # does not replay the orders its first rounds ran in
+        order = random.Random(len(names) + 1_000_003 * first)
+        gross_from = max(self.gross_rounds, len(names))
         for round_ in range(first, self.max_rounds):
             racing = [n for n in samples if n not in pruned]
             turn = racing[:]
@@ -765,8 +782,10 @@ class Selector:
         return True, (f"provisional: {decision}, but {c.n} fresh rounds of the two alone did not confirm it "
                       f"({runner}/{choice} {c.describe()}); timed again by the next process or attnopt.tune")
 
-    def _cut(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], decision: str) -> str:
-        """Why the choice of a race the time limit cut is provisional (``decision``: the verdict's sentence)."""
+    def _cut(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], decision: str,
+             carried: int = 0) -> str:
+        """Why the choice of a race the time limit cut is provisional (``decision``: the verdict's sentence;
+        ``carried``: the rounds continued from an earlier tuning)."""
         runner = self._runner_up(choice, rivals, samples)
         closest = ""
         if runner is not None:
@@ -774,8 +793,10 @@ class Selector:
             shown = f"{c.describe()} at {self.confidence:.0%}" if math.isfinite(c.hi) else f"x{c.ratio:.3g}"
             closest = f" ({runner}/{choice} {shown} over {c.n} rounds)"
         served = "; sdpa serves, as no candidate was shown faster than it" if decision.endswith("than it") else ""
+        rounds = max(map(len, samples.values()))
+        done = f"{rounds - carried} rounds (after {carried} of earlier tunings)" if carried else f"{rounds} rounds"
         return (f"provisional: the time limit ({self.time_limit_s:g} s of timed calls per tuning) was spent after "
-                f"{max(map(len, samples.values()))} rounds, before the race could separate the candidates{closest}"
+                f"{done}, before the race could separate the candidates{closest}"
                 f"{served}; the next tuning of this key continues its rounds (attnopt.tune runs them to the end)")
 
     def _verdict(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], pruned: Mapping[str, str],
@@ -863,6 +884,9 @@ def _resumable(prior: TuningEntry | None,
         return None
     pruned = {n: why for n, why in prior.pruned.items() if n in live}
     if len({len(t) for n, t in prior.samples.items() if n not in pruned}) != 1:
+        return None
+    # times a real timer gives (a file edited by hand, or a foreign one, may hold anything)
+    if not all(t and all(0 < x < _LONGEST_CALL_S for x in t) for t in prior.samples.values()):
         return None
     return {n: list(t) for n, t in prior.samples.items()}, pruned
 
