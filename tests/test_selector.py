@@ -1228,3 +1228,13 @@ def test_kept_rounds_that_no_timer_gives_are_not_continued(tmp_path):
         prior = dataclasses.replace(first, samples=bad)
         entry = _limited(clock, None).tune(SPEC, key, call, list(_LIMITED), prior=prior)
         assert entry.rounds == {n: 3 for n in _LIMITED}  # started again, without raising
+
+
+def test_without_a_memory_budget_only_the_choice_has_its_memory_measured(tmp_path):
+    times = {"sdpa": 1.0, "sdpa_flash": 1.0, "sdpa_math": 1.01, "math": 1.02}  # close: nothing pruned
+    clock = FakeClock(times, peaks={"sdpa": 10, "sdpa_flash": 20, "sdpa_math": 30, "math": 40})
+    entry = _choose(_selector(clock, tmp_path / "a"))
+    assert clock.measured == [entry.choice] and entry.peak_bytes == {entry.choice: clock.peaks[entry.choice]}
+    clock = FakeClock(times, peaks={"sdpa": 10, "sdpa_flash": 20, "sdpa_math": 30, "math": 40})
+    entry = _choose(_selector(clock, tmp_path / "b", memory_budget="1MB"))
+    assert sorted(clock.measured) == sorted(times) and entry.peak_bytes == clock.peaks

@@ -68,11 +68,12 @@ Tuning one key (:meth:`Selector.tune`):
    fresh rounds do not confirm is provisional. Each entry
    keeps its noise: per-candidate median, interquartile range and rounds, each rival's ratio to
    the choice with its interval, and the load average.
-5. *Memory*: the peak tensor memory of one call (:func:`attnopt.selection.measure.peak_memory`) of every
-   candidate still in the race after pruning (of all of them when a ``memory_budget`` rules out
-   any one of those: the candidates pruned against it are in again); candidates above the budget are
-   rejected; if none fits, the one with
-   the lowest peak is kept and a warning says so.
+5. *Memory*: with a ``memory_budget``, the peak tensor memory of one call
+   (:func:`attnopt.selection.measure.peak_memory`) of every candidate still in the race after pruning (of all
+   of them when the budget rules out any one of those: the candidates pruned against it are in again);
+   candidates above the budget are rejected; if none fits, the one with the lowest peak is kept and a warning
+   says so. Without a budget, the choice's alone, once it is made (for ``explain()``; on the CPU the meter is
+   the profiler, and one such call of a long shape takes seconds).
 6. *Keep* the fastest (provisional unless separated from every rival); store every timing in the
    :class:`~attnopt.selection.cache.TuningCache` (on disk, keyed by attnopt/torch version, device,
    threads and candidate set) so later processes skip tuning (a provisional entry is stored as
@@ -546,8 +547,10 @@ class Selector:
                     rejected[name] = f"peak memory could not be measured: {_raised(e)}"
                     timings[name] = math.inf
 
-        # Memory is measured for the candidates still in the race; the pruned ones only when a
-        # budget rules out every one of those.
+        # With a memory budget, memory is measured for the candidates still in the race, and the pruned ones when
+        # the budget rules out every one of those; without one, for the choice alone (after it is made: one call,
+        # which on the CPU runs under the profiler, three times as long as a timed one at long shapes).
+        budgeted = self.memory_budget is not None
         measured = not (torch.autograd.profiler._is_profiler_enabled and self.memory is None
                         and device.type != "cuda")
         if not measured:  # a second profiler session would end the user's
@@ -555,13 +558,13 @@ class Selector:
             if self.memory_budget is not None:
                 warnings.warn("attnopt: tuning inside a torch.profiler session cannot measure memory; the memory "
                               "budget is not applied to this choice", stacklevel=2)
-        else:
+        elif budgeted:
             measure(live)
-            if self.memory_budget is not None and not all(peaks.get(n, math.inf) <= self.memory_budget
+            if not all(peaks.get(n, math.inf) <= self.memory_budget
                                                           for n in live):
                 # a candidate over the budget may be the one others were pruned against: those are in again
                 measure([n for n in samples if n not in live])
-        ok = [n for n in samples if math.isfinite(timings[n]) and (n in peaks or not measured)]
+        ok = [n for n in samples if math.isfinite(timings[n]) and (n in peaks or not measured or not budgeted)]
         budget = self.memory_budget if measured else None
         if budget is not None:
             fits = [n for n in ok if peaks.get(n, 0) <= budget]
@@ -602,6 +605,11 @@ class Selector:
                 provisional, decision = True, self._cut(choice, rivals, samples, decision, carried)
             elif confirm:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
+        if measured and not budgeted and choice in samples:
+            try:
+                peaks[choice] = int(memory(choice, runs.runner(choice)))
+            except Exception as e:  # noqa: BLE001 - the figure is for explain(); the choice stands (it ran its rounds)
+                log.info("%s: peak memory of %s could not be measured (%s)", key.describe(), choice, _raised(e))
         ratios = {}
         for name in samples:
             if name != choice and choice in samples:
