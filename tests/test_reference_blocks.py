@@ -95,3 +95,21 @@ def test_one_piece_where_blocks_would_change_something(case, monkeypatch):
     with torch.no_grad() if case not in ("grad", "subclass") else torch.enable_grad():
         reference_attention(q, k, v, **kw)
     assert calls == [1]
+
+
+def test_inputs_blocks_would_read_otherwise_stay_in_one_piece(monkeypatch):
+    monkeypatch.setattr(ref, "_CHUNK_FROM", 0)
+    monkeypatch.setattr(ref, "_CHUNK_BYTES", 1)
+    q, k = torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
+    with torch.no_grad():
+        # a 1-D v: the product gives (..., Tq), whose rows blocks would join along the heads
+        assert reference_attention(q, k, torch.randn(6)).shape == (2, 3, 6)
+        # mask rows that match neither the queries nor one row: an error, as in one piece (not broadcast per block)
+        with pytest.raises(RuntimeError, match="must match"):
+            reference_attention(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 4),
+                                attn_mask=torch.randn(3, 7))
+        # nested and sparse tensors hold no strided rows
+        nested = torch.nested.nested_tensor([torch.randn(2, 5, 4), torch.randn(3, 5, 4)])
+        assert reference_attention(nested, nested, nested).is_nested
+        sparse_k = torch.randn(6, 4).to_sparse()
+        assert reference_attention(torch.randn(6, 4), sparse_k, torch.randn(6, 4)).shape == (6, 4)

@@ -105,20 +105,29 @@ def _rows_per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     """Query rows per block for :func:`reference_attention`, or None to compute the scores in one piece: with
     gradients (autograd would keep every block's scores all the same), dropout (its draws would come in another
     order), a ``score_mod`` (it may hold tensors of the whole scores' shape), while traced or under a functorch
-    transform, for tensor subclasses, and for scores up to ``_CHUNK_FROM`` bytes."""
+    transform, for tensor subclasses, nested or sparse tensors, masks whose rows match neither the queries nor one
+    row (the computation in one piece raises), and for scores up to ``_CHUNK_FROM`` bytes."""
     tensors = [t for t in (q, k, v, attn_mask, zero_probs) if t is not None]
     if dropout_p > 0 or score_mod is not None or any(type(t) is not torch.Tensor for t in tensors):
+        return None
+    if any(t.is_nested or t.layout != torch.strided for t in tensors):  # nested or sparse: no strided rows
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return None
-    if any(not isinstance(n, int) for t in tensors for n in t.shape):
+    if any(not isinstance(n, int) for t in tensors for n in t.shape) or q.dim() < 2 or k.dim() < 2 or v.dim() < 2:
         return None
-    lead = 1
-    for n in torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]):
-        lead *= n
     tq, tk = q.size(-2), k.size(-2)
+    masks = [t for t in (attn_mask, zero_probs) if t is not None and t.dim() >= 2]
+    if any(t.size(-2) not in (tq, 1) for t in masks):
+        return None  # rows that do not match the queries: the computation in one piece raises, as it should
+    try:
+        lead = 1
+        for n in torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(t.shape[:-2] for t in masks)):
+            lead *= n
+    except RuntimeError:
+        return None  # shapes that do not broadcast: one piece raises
     size = lead * tk * torch.empty((), dtype=torch.result_type(q, k)).element_size()
     if size * tq <= _CHUNK_FROM:
         return None
