@@ -107,19 +107,28 @@ def _rows_per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     order), a ``score_mod`` (it may hold tensors of the whole scores' shape), while traced or under a functorch
     transform, for tensor subclasses, nested or sparse tensors, masks whose rows match neither the queries nor one
     row (the computation in one piece raises), and for scores up to ``_CHUNK_FROM`` bytes."""
+    if dropout_p > 0 or score_mod is not None or q.dim() < 2 or k.dim() < 2 or v.dim() < 2:
+        return None
     tensors = [t for t in (q, k, v, attn_mask, zero_probs) if t is not None]
-    if dropout_p > 0 or score_mod is not None or any(type(t) is not torch.Tensor for t in tensors):
-        return None
-    if any(t.is_nested or t.layout != torch.strided for t in tensors):  # nested or sparse: no strided rows
-        return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if any(type(t) is not torch.Tensor or t.is_nested or t.layout != torch.strided for t in tensors):
+        return None  # subclasses (fake, functional), nested or sparse tensors: no plain strided rows
+    # (plain tensors hold plain sizes: a traced one, whose sizes may be symbolic, is a subclass (fake) here)
+    # the product of the leading sizes bounds the broadcast one: most calls stop at this cheap test
+    tq, tk = q.size(-2), k.size(-2)
+    masks = [t for t in (attn_mask, zero_probs) if t is not None and t.dim() >= 2]
+    itemsize = max(q.dtype.itemsize, k.dtype.itemsize)
+    bound = tq * tk * itemsize
+    for t in (q, k, v, *masks):
+        rows_cols = t.size(-2) * t.size(-1)
+        bound *= t.numel() // rows_cols if rows_cols else 1
+    if bound <= _CHUNK_FROM:
         return None
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return None
-    if any(not isinstance(n, int) for t in tensors for n in t.shape) or q.dim() < 2 or k.dim() < 2 or v.dim() < 2:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
-    tq, tk = q.size(-2), k.size(-2)
-    masks = [t for t in (attn_mask, zero_probs) if t is not None and t.dim() >= 2]
+    if any(not isinstance(n, int) for t in tensors for n in t.shape):
+        return None
     if any(t.size(-2) not in (tq, 1) for t in masks):
         return None  # rows that do not match the queries: the computation in one piece raises, as it should
     try:
@@ -128,7 +137,7 @@ def _rows_per_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
             lead *= n
     except RuntimeError:
         return None  # shapes that do not broadcast: one piece raises
-    size = lead * tk * torch.empty((), dtype=torch.result_type(q, k)).element_size()
+    size = lead * tk * itemsize
     if size * tq <= _CHUNK_FROM:
         return None
     rows = max(1, _CHUNK_BYTES // size)
