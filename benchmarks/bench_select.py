@@ -330,7 +330,7 @@ def render(r: dict[str, Any]) -> str:
         f"{r['load_before']:.2f} before, {r['load_after']:.2f} after.", "",
         table, "", f"Worst regret: **{worst:.3f}**.", "",
         "Peak memory of one attention call per candidate, as the selector measured it while tuning "
-        "(`-`: pruned, clearly slower than the best over several rounds, so not measured):", "", mem, "",
+        "(`-`: not measured: without a memory budget the selector measures the choice's peak alone):", "", mem, "",
         f"Memory budget at T={bud['seq_len']} (B=1): plain path (attention written out) peak "
         f"{bud['plain_peak_mib']:.1f} MiB, budget "
         f"{bud['budget_mib']:.1f} MiB -> chose `{bud['choice']}` at {bud['choice_peak_mib']:.1f} MiB "

@@ -1238,3 +1238,37 @@ def test_without_a_memory_budget_only_the_choice_has_its_memory_measured(tmp_pat
     clock = FakeClock(times, peaks={"sdpa": 10, "sdpa_flash": 20, "sdpa_math": 30, "math": 40})
     entry = _choose(_selector(clock, tmp_path / "b", memory_budget="1MB"))
     assert sorted(clock.measured) == sorted(times) and entry.peak_bytes == clock.peaks
+
+
+class _LeaderFailsLater(FakeClock):
+    """sdpa_flash leads and prunes sdpa_math (x1.5), then raises from its ninth call; math swings around them."""
+
+    def timer(self, name, run):
+        run()
+        self.timed.append(name)
+        n = self.timed.count(name)
+        if name == "sdpa_flash":
+            if n > 8:
+                raise RuntimeError("the leader fails in round 9")
+            return 1.0
+        if name == "sdpa_math":
+            return 1.5
+        if name == "math":
+            return (0.9 if n % 2 else 1.6) if n <= 8 else 3.0
+        return 5.0  # sdpa
+
+
+def test_without_a_memory_budget_a_pruned_candidate_is_not_served_on_its_early_median(tmp_path):
+    clock = _LeaderFailsLater({})
+    entry = _choose(_selector(clock, tmp_path))
+    assert "sdpa_math" in entry.pruned and entry.choice == "math"  # the survivor, not the pruned one
+
+
+def test_a_memory_reading_that_is_not_a_byte_count_never_reaches_the_forward(tmp_path):
+    clock = FakeClock({"sdpa": 1.0, "sdpa_flash": 2.0, "sdpa_math": 3.0, "math": 4.0})
+    clock.memory = lambda name, run: -5
+    entry = _choose(_selector(clock, tmp_path / "a"))
+    assert entry.choice == "sdpa" and entry.peak_bytes == {}
+    entry = _choose(_selector(clock, tmp_path / "b", memory_budget="1MB"))  # every reading fails: math runs
+    assert entry.choice == "math" and entry.peak_bytes == {}
+    assert all("could not be measured" in entry.rejected[n] for n in ("sdpa", "sdpa_flash", "sdpa_math"))

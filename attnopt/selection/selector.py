@@ -542,7 +542,7 @@ class Selector:
         def measure(names_: list[str]) -> None:
             for name in names_:
                 try:
-                    peaks[name] = int(memory(name, runs.runner(name)))
+                    peaks[name] = _bytes(memory(name, runs.runner(name)))
                 except Exception as e:  # noqa: BLE001
                     rejected[name] = f"peak memory could not be measured: {_raised(e)}"
                     timings[name] = math.inf
@@ -564,7 +564,9 @@ class Selector:
                                                           for n in live):
                 # a candidate over the budget may be the one others were pruned against: those are in again
                 measure([n for n in samples if n not in live])
-        ok = [n for n in samples if math.isfinite(timings[n]) and (n in peaks or not measured or not budgeted)]
+        # (without a budget: the candidates still in the race; a pruned one keeps a low median from its early rounds)
+        ok = [n for n in samples if math.isfinite(timings[n])
+              and (n in peaks or not measured or (not budgeted and n in live))]
         budget = self.memory_budget if measured else None
         if budget is not None:
             fits = [n for n in ok if peaks.get(n, 0) <= budget]
@@ -607,7 +609,7 @@ class Selector:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         if measured and not budgeted and choice in samples:
             try:
-                peaks[choice] = int(memory(choice, runs.runner(choice)))
+                peaks[choice] = _bytes(memory(choice, runs.runner(choice)))
             except Exception as e:  # noqa: BLE001 - the figure is for explain(); the choice stands (it ran its rounds)
                 log.info("%s: peak memory of %s could not be measured (%s)", key.describe(), choice, _raised(e))
         ratios = {}
@@ -881,6 +883,14 @@ def _load() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def _bytes(peak: Any) -> int:
+    """A memory meter's reading as a byte count; a reading that is not one (negative, NaN) raises."""
+    n = float(peak)
+    if not n >= 0 or math.isinf(n):
+        raise ValueError(f"the memory meter read {peak!r}, not a byte count")
+    return int(n)
 
 
 def _resumable(prior: TuningEntry | None,
