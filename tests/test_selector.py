@@ -1272,3 +1272,4 @@ def test_a_memory_reading_that_is_not_a_byte_count_never_reaches_the_forward(tmp
     entry = _choose(_selector(clock, tmp_path / "b", memory_budget="1MB"))  # every reading fails: math runs
     assert entry.choice == "math" and entry.peak_bytes == {}
     assert all("could not be measured" in entry.rejected[n] for n in ("sdpa", "sdpa_flash", "sdpa_math"))
+    assert entry.decision.startswith("no candidate's peak memory could be measured")  # every check passed

@@ -582,8 +582,11 @@ class Selector:
             ok = fits
         if not ok:
             choice = "math"
-            rejected["math"] = "no candidate passed; the reference computation runs"
-            provisional, decision = False, "no candidate passed its check; the reference computation runs"
+            unmeasured = any(why.startswith("peak memory could not be measured") for why in rejected.values())
+            why = ("no candidate's peak memory could be measured for the memory budget" if unmeasured
+                   else "no candidate passed its check")
+            rejected["math"] = f"{why}; the reference computation runs"
+            provisional, decision = False, f"{why}; the reference computation runs"
         else:
             # never one that is clearly slower than another that may serve (a candidate pruned early keeps a
             # low median from quiet first rounds; one pruned against a leader that the budget then rejected)
