@@ -248,23 +248,13 @@ def tune(model: nn.Module, inputs: Sequence[Any] | Callable[[int, int], Sequence
     from tqdm.auto import tqdm
 
     selector = getattr(opt, _SELECTOR_ATTR, None)
-    shown = getattr(selector, "progress", None)
-    limit = getattr(selector, "time_limit_s", None)
-    if selector is not None:
-        selector.retime_provisional()  # a new tune is the moment to decide the provisional choices
-        selector.collective = True  # every rank runs this same sweep: rank 0 tunes, all run its choices
-        selector.time_limit_s = None  # tuning ahead of time: every race runs to its end (a cut one continues)
-        if not progress:
-            selector.progress = False  # nor the counters of long tunings
-    try:
+    if selector is None:
         _sweep(opt, labels, calls, grad, progress, tqdm)
-    finally:
-        if selector is not None:
-            selector.collective = False
-            selector.progress = shown
-            selector.time_limit_s = limit
-    if selector is not None:
-        selector.share()
+        return opt
+    selector.retime_provisional()  # a new tune is the moment to decide the provisional choices
+    with selector.ahead_of_time(progress=progress):
+        _sweep(opt, labels, calls, grad, progress, tqdm)
+    selector.share()
     return opt
 
 

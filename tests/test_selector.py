@@ -1273,3 +1273,19 @@ def test_a_memory_reading_that_is_not_a_byte_count_never_reaches_the_forward(tmp
     assert entry.choice == "math" and entry.peak_bytes == {}
     assert all("could not be measured" in entry.rejected[n] for n in ("sdpa", "sdpa_flash", "sdpa_math"))
     assert entry.decision.startswith("no candidate's peak memory could be measured")  # every check passed
+
+
+def test_overlapping_tunes_ahead_of_time_restore_the_settings_once_the_last_ends():
+    sel = Selector(cache=False, time_limit_s=12.0, progress=None)
+    first, second = sel.ahead_of_time(), sel.ahead_of_time(progress=False)
+    first.__enter__()
+    assert sel.collective and sel.time_limit_s is None and sel.progress is None
+    second.__enter__()  # (attnopt.tune in another thread)
+    assert sel.progress is False
+    first.__exit__(None, None, None)  # the first ends while the second still sweeps: still no limit
+    assert sel.collective and sel.time_limit_s is None
+    second.__exit__(None, None, None)
+    assert (sel.collective, sel.time_limit_s, sel.progress) == (False, 12.0, None)
+    with pytest.raises(RuntimeError), sel.ahead_of_time():
+        raise RuntimeError("a sweep that raises")
+    assert (sel.collective, sel.time_limit_s, sel.progress) == (False, 12.0, None)

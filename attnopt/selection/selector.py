@@ -288,6 +288,10 @@ class Selector:
         self._resume: dict[tuple[AttentionSpec, ShapeKey], TuningEntry] = {}
         #: True inside :func:`attnopt.tune`: only rank 0 tunes, then :meth:`share`
         self.collective = False
+        #: :meth:`ahead_of_time` blocks under way (``attnopt.tune`` calls, perhaps in several threads), and the
+        #: settings they change, as they were before the first of them
+        self._ahead = 0
+        self._before_ahead: tuple[Any, ...] = ()
         self._sites: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -302,7 +306,8 @@ class Selector:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({"gross": 2.0, "gross_rounds": 5, "progress": None, "max_scores": _MAX_SCORES,
-                              "time_limit_s": 30.0, "_resume": {}, **state})  # older pickles lack these
+                              "time_limit_s": 30.0, "_resume": {}, "_ahead": 0, "_before_ahead": (),
+                              **state})  # older pickles lack these
         self._lock = threading.Lock()
         self._sites = weakref.WeakSet()
 
@@ -394,6 +399,27 @@ class Selector:
         if self.max_scores != _MAX_SCORES:  # (the default's entries keep the key they always had)
             shape["max_scores"] = self.max_scores
         return self.cache.key(shape, names, device)
+
+    @contextlib.contextmanager
+    def ahead_of_time(self, *, progress: bool = True) -> Iterator[None]:
+        """The settings of :func:`attnopt.tune` inside the block: collective (rank 0 tunes), no time limit (every race
+        runs to its end), no progress counters unless ``progress``. Blocks may overlap (one per thread): the settings
+        come back as they were before the first one once the last one ends."""
+        with self._lock:
+            if self._ahead == 0:
+                self._before_ahead = (self.collective, self.time_limit_s, self.progress)
+            self._ahead += 1
+            self.collective = True
+            self.time_limit_s = None
+            if not progress:
+                self.progress = False
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._ahead -= 1
+                if self._ahead == 0:
+                    self.collective, self.time_limit_s, self.progress = self._before_ahead
 
     def retime_provisional(self) -> int:
         """Forget this process's provisional choices, so their keys are timed again on their next call;
