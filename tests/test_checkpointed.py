@@ -373,6 +373,33 @@ def test_a_rewrite_inductor_cannot_compile_is_compiled_as_written_and_reported(m
     assert all("compiled as written" in r.reason for r in report.records)
 
 
+def test_dynamos_restart_signal_from_inductor_is_not_taken_for_a_failure(monkeypatch) -> None:
+    # dynamo asks to trace the frame again by raising TensorifyScalarRestartAnalysis (Inductor's pass that turns
+    # scalars into tensors, with dynamic=True); the backend passes it on: the rewrite is compiled on the second trace
+    import torch._inductor.compile_fx as inductor
+
+    real = inductor.compile_fx
+    restarts = []
+
+    def restarting(gm, example_inputs, *args, **kwargs):
+        if not restarts and any(isinstance(m, AttentionSite) for m in gm.modules()):
+            restarts.append(1)
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+        return real(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", restarting)
+    model = CheckpointedFunction().double()
+    opt = attnopt.optimize(copy.deepcopy(model), variant="sdpa", compile=True)
+    inputs = leaves(2, 2, 8, 8, n=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Inductor could not compile")
+        got = grads_of(opt, opt._orig_mod, *inputs)
+    assert restarts == [1]
+    assert_same(got, grads_of(model, model, *inputs))
+    report = attnopt.explain(opt)
+    assert not report.failures and any(r.rewritten for r in report.records)
+
+
 # ----------------------------------------------------------------------------- other bodies
 
 

@@ -131,7 +131,7 @@ def test_a_wrong_candidate_is_caught_and_replaced_by_sdpa_once_per_shape_key(kin
         torch.testing.assert_close(out, expected(q, k, v))
         with no_warnings():  # decided once for the shape key
             torch.testing.assert_close(run(site, q, k, v), out)
-    assert [name for name, _key in site._checked] == [wrong]
+    assert [key[0] for key in site._checked] == [wrong]
     assert list(site._checked.values()) == ["sdpa"]
 
 
@@ -202,7 +202,8 @@ def test_generation_with_a_wrong_variant_gives_the_models_tokens(wrong: str) -> 
     assert torch.equal(got, generate_plain(model, idx, 6))
     for site in lm.sites:
         assert set(site._checked.values()) == {"sdpa"}
-        assert {key.tq for _name, key in site._checked} == {8, 1}  # the prefill (5 -> bucket 8) and the steps
+        # the prefill (5 -> bucket 8) and the steps; a registered candidate is checked at each exact shape it serves
+        assert {key[1].tq for key in site._checked} == {8, 1}
 
 
 def test_auto_variant_records_tunings_on_the_kv_cache_sites(monkeypatch, tmp_path) -> None:
@@ -255,3 +256,25 @@ def test_an_unreadable_flag_says_what_it_accepts(monkeypatch):
     monkeypatch.setenv("ATTNOPT_STRICT", "maybe")
     with pytest.raises(ValueError, match="ATTNOPT_STRICT='maybe' is not understood"):
         strict_guards()
+
+
+@pytest.mark.parametrize("every_shape", [False, True])
+def test_a_candidate_compiled_per_shape_is_checked_at_each_exact_shape(monkeypatch, every_shape):
+    # like compiled FlexAttention on some CPUs: right at T=16, wrong at T=13, one length bucket (9..16)
+    def per_shape(q, k, v, **kw):
+        out = reference_attention(q, k, v, **kw)
+        return out + 1.0 if q.size(-2) == 13 else out
+
+    monkeypatch.setitem(registry._REGISTRY, "per_shape",
+                        FunctionCandidate("per_shape", per_shape, lambda spec: None, every_shape=every_shape))
+    site = DispatchingSite("s", AttentionSpec(scale=0.5, causal="top_left"), "per_shape")
+    kw = dict(attn_mask=None, is_causal=True, scale=0.5, dropout_p=0.0, enable_gqa=False)
+    for t in (16, 13, 13):
+        q = torch.randn(1, 2, t, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = site.run_candidate(q, q, q, dict(kw))
+        if every_shape and t == 13:  # declared checked at every shape: the check at T=16 speaks for T=13
+            assert not torch.allclose(out, reference_attention(q, q, q, **kw))
+        else:
+            torch.testing.assert_close(out, reference_attention(q, q, q, **kw))

@@ -73,6 +73,8 @@ def attnopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
     try:
         return _finish(new_gm, example_inputs, config, fallback=gm)
     except Exception as e:  # noqa: BLE001 - Inductor could not take the rewrite: compile the graph as written
+        if isinstance(e, torch._dynamo.exc.RestartAnalysis):
+            raise  # dynamo's own signal to trace the frame again (e.g. scalars made tensors): not a failure
         if not (config.compile and any(r.rewritten for r in records)):
             raise
         msg = f"graph {graph_id}: Inductor could not compile the rewritten graph: {type(e).__name__}: {e}"

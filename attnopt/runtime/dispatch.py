@@ -16,7 +16,9 @@ brings its call to the candidates' layout (:func:`candidate_layout`) and its key
 4. runs ``math`` for calls with active dropout and gradients (its dropout mask lives in its own
    autograd graph, so any backward, double too, is exact);
 5. **checks** the candidate against the reference computation on the call's own inputs the first
-   time it serves a shape key (outputs, and gradients when the call needs them; "no less accurate
+   time it serves a shape key (a candidate not checked at every shape, FlexAttention compiled per shape or
+   one registered by the user: the first time it serves each exact shape) (outputs, and gradients when the
+   call needs them; "no less accurate
    than the computation as written against float64" for half types): a candidate that fails is
    dropped for that key, with a warning naming it and an entry in the record, and ``sdpa`` (checked
    the same way) or ``math`` serves the key instead;
@@ -266,9 +268,10 @@ class DispatchingSite(nn.Module):
         if plan is None:
             call = _signature(q, k, v, mask, kwargs, grad)
             plan = self._plans.get(call)
+            kept = plan is not None
             if plan is None:
-                plan = self._plan(call, q, k, v, kwargs, grad)
-            if call in self._plans:  # kept: found by its shapes from now on
+                plan, kept = self._plan(call, q, k, v, kwargs, grad)
+            if kept:  # found by its shapes from now on
                 if len(self._by_shape) > _TABLE_LIMIT:
                     self._by_shape.clear()
                 self._by_shape[exact] = plan
@@ -320,9 +323,11 @@ class DispatchingSite(nn.Module):
         return out
 
     def _plan(self, call: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict,
-              grad: bool) -> _Plan:
-        """Steps 1-5 for a call signature not seen since the plans were last cleared; kept unless the
-        choice was a stand-in for one call (a tuning that raised)."""
+              grad: bool) -> tuple[_Plan, bool]:
+        """Steps 1-5 for a call signature not seen since the plans were last cleared, and whether the plan holds for
+        these exact shapes again (not when the choice was a stand-in for one call: a tuning that raised). It is kept
+        for the whole signature only where what runs was checked for every shape of it (not FlexAttention, compiled
+        and checked per exact shape)."""
         choice, keep, key = self._choice(q, k, v, kwargs, grad)
         name, why = choice, None
         if choice in self._failed:
@@ -340,11 +345,11 @@ class DispatchingSite(nn.Module):
         observed = key if (name == served == choice and not grad and q.device.type == "cpu") else None
         plan = _Plan(choice, name, served, get_candidate(served), grad and served not in TWICE_DIFFERENTIABLE, why,
                      observed)
-        if keep:
+        if keep and checked_at_every_shape(served):
             if len(self._plans) > _TABLE_LIMIT:
                 self._forget_plans()
             self._plans[call] = plan
-        return plan
+        return plan, keep
 
     # ------------------------------------------------------------------ 1. the choice
 
@@ -383,12 +388,18 @@ class DispatchingSite(nn.Module):
         if name == "math":
             return name
         mask = kwargs["attn_mask"]
-        key = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
-                               dropout=kwargs["dropout_p"] > 0, grad=grad))
+        key: tuple = (name, shape_key(self.spec, q, k, v, causal=kwargs["is_causal"], mask=mask,
+                                      dropout=kwargs["dropout_p"] > 0, grad=grad))
+        if not checked_at_every_shape(name):
+            # compiled per exact shape (FlexAttention: wrong at some small shapes on some CPUs), or unknown code: a
+            # check at one length of the bucket says nothing about the kernel another length compiles
+            key += (q.shape, k.shape, v.shape, None if mask is None else mask.shape)
         # a check without the mask's gradient says nothing about it: calls that need it are checked apart
         checked = self._checked_mask_grad if grad and mask is not None and mask.requires_grad else self._checked
         served = checked.get(key)
         if served is None:
+            if len(checked) > _TABLE_LIMIT:
+                checked.clear()  # (checked again when met again)
             with apart(q.device):  # the check's own calls are not the model's
                 served = checked[key] = self._check(name, q, k, v, kwargs, grad, key[1])
         return served
