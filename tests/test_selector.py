@@ -1289,3 +1289,12 @@ def test_overlapping_tunes_ahead_of_time_restore_the_settings_once_the_last_ends
     with pytest.raises(RuntimeError), sel.ahead_of_time():
         raise RuntimeError("a sweep that raises")
     assert (sel.collective, sel.time_limit_s, sel.progress) == (False, 12.0, None)
+
+
+def test_a_selector_pickled_inside_a_tune_ahead_of_time_keeps_the_settings_outside_it():
+    import pickle
+
+    sel = Selector(cache=False, time_limit_s=12.0)
+    with sel.ahead_of_time(progress=False):
+        back = pickle.loads(pickle.dumps(sel))
+    assert (back.collective, back.time_limit_s, back.progress, back._ahead) == (False, 12.0, None, 0)

@@ -302,6 +302,9 @@ class Selector:
         state = dict(self.__dict__)
         state.pop("_lock", None)
         state.pop("_sites", None)
+        if state.get("_ahead"):  # pickled inside attnopt.tune: the settings as they are outside it
+            state["collective"], state["time_limit_s"], state["progress"] = state["_before_ahead"]
+        state["_ahead"], state["_before_ahead"] = 0, ()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -625,15 +628,17 @@ class Selector:
             choice = min(pool, key=lambda n: timings[n])
             rivals = [n for n in samples if math.isfinite(timings[n]) and n not in rejected]  # pruned ones too
             provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
+            served = ""
             if provisional and choice != "sdpa" and "sdpa" in pool and choice in samples and stats.compare(
                     samples["sdpa"], samples[choice], confidence=0.95, tie=self.tie).verdict != "slower":
                 # Not separated, and sdpa not shown slower than the best median even at 95%: what the model written
                 # with SDPA runs serves until a later timing shows another candidate faster (provisional all the same)
                 choice = "sdpa"
                 provisional, decision, confirm = self._verdict(choice, rivals, samples, pruned, budget is not None)
-                decision += "; sdpa serves, as no candidate was shown faster than it"
+                served = "; sdpa serves, as no candidate was shown faster than it"
+                decision += served
             if cut:
-                provisional, decision = True, self._cut(choice, rivals, samples, decision, carried)
+                provisional, decision = True, self._cut(choice, rivals, samples, served, carried)
             elif confirm:
                 provisional, decision = self._confirm(choice, rivals, samples, runs, timer, decision)
         if measured and not budgeted and choice in samples:
@@ -821,17 +826,16 @@ class Selector:
         return True, (f"provisional: {decision}, but {c.n} fresh rounds of the two alone did not confirm it "
                       f"({runner}/{choice} {c.describe()}); timed again by the next process or attnopt.tune")
 
-    def _cut(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], decision: str,
+    def _cut(self, choice: str, rivals: list[str], samples: Mapping[str, list[float]], served: str,
              carried: int = 0) -> str:
-        """Why the choice of a race the time limit cut is provisional (``decision``: the verdict's sentence;
-        ``carried``: the rounds continued from an earlier tuning)."""
+        """Why the choice of a race the time limit cut is provisional (``served``: the clause saying ``sdpa`` serves
+        an undecided race, or ""; ``carried``: the rounds continued from an earlier tuning)."""
         runner = self._runner_up(choice, rivals, samples)
         closest = ""
         if runner is not None:
             c = stats.compare(samples[runner], samples[choice], confidence=self.confidence, tie=self.tie)
             shown = f"{c.describe()} at {self.confidence:.0%}" if math.isfinite(c.hi) else f"x{c.ratio:.3g}"
             closest = f" ({runner}/{choice} {shown} over {c.n} rounds)"
-        served = "; sdpa serves, as no candidate was shown faster than it" if decision.endswith("than it") else ""
         rounds = max(map(len, samples.values()))
         done = f"{rounds - carried} rounds (after {carried} of earlier tunings)" if carried else f"{rounds} rounds"
         return (f"provisional: the time limit ({self.time_limit_s:g} s of timed calls per tuning) was spent after "
